@@ -35,7 +35,7 @@ pub enum LockKind {
 }
 
 /// A holder or waiter; as JSON, every field but `reading`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Party {
     pub pid: Option<u32>,
     pub host: Option<String>,
@@ -62,7 +62,7 @@ fn time_json<S: serde::Serializer>(t: &Option<Millis>, s: S) -> Result<S::Ok, S:
 }
 
 /// Where a party's pid names the process it stands for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PidSpace {
     /// This pid namespace (a table pid, or a lease's of it), whatever host name: signals reach it.
     Here,
@@ -71,6 +71,7 @@ pub enum PidSpace {
     /// The holder's own host's.
     ItsHost,
     /// No pid is known.
+    #[default]
     Unknown,
 }
 
@@ -117,16 +118,8 @@ impl Party {
     /// A holder nothing names (another host's flock(1), or one a pid namespace hides).
     pub fn unknown(mode: Mode) -> Party {
         Party {
-            pid: None,
-            host: None,
-            user: None,
             mode,
-            command: None,
-            since: None,
-            stowage: None,
-            lease: None,
-            reading: false,
-            pid_space: PidSpace::Unknown,
+            ..Party::default()
         }
     }
 }

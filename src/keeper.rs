@@ -88,7 +88,9 @@ impl Keeper {
         // The keeper starts with our mask, so the signals we take come to it in order, and with the
         // lock waits' own signal blocked too: a program just started has no handler for it.
         let wake = crate::lock::wake_signal();
-        let spawned = with_blocked(wake, || spawn::spawn(Some(exe), &args, env, Start::Keeper));
+        let spawned = crate::signals::with_blocked(wake, || {
+            spawn::spawn(Some(exe), &args, env, Start::Keeper)
+        });
         let pid = spawned.map_err(|e| {
             io::Error::new(
                 e.kind(),
@@ -251,20 +253,6 @@ fn run(args: &[OsString]) -> io::Result<()> {
         ..Tree::default()
     };
     tree.watch(&mut status, &signals, &alive)
-}
-
-/// Runs `f` with `sig` blocked in this thread (as it was before, after).
-fn with_blocked<T>(sig: libc::c_int, f: impl FnOnce() -> T) -> T {
-    // SAFETY: sigset manipulation on local sets; the mask is this thread's own.
-    unsafe {
-        let (mut one, mut before): (libc::sigset_t, libc::sigset_t) = std::mem::zeroed();
-        libc::sigemptyset(&mut one);
-        libc::sigaddset(&mut one, sig);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &one, &mut before);
-        let out = f();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
-        out
-    }
 }
 
 /// A signalfd for the signals stowage takes (and passes on here) and SIGCHLD, which arrive blocked

@@ -364,11 +364,9 @@ fn make_file(dir: &Path, name: &str, me: &crate::ident::Me) -> io::Result<Option
         crate::ident::start_time("self").map_or(String::new(), |t| t.to_string()),
         me.boot_id.as_deref().unwrap_or(""),
         me.user,
-        crate::ident::shell_join(
-            &std::env::args_os()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-        )
+        crate::ident::shell_join(&crate::exec::lossy(
+            &std::env::args_os().collect::<Vec<_>>()
+        ))
         .replace('\n', "\\n"),
         crate::clock::now_ms(),
         within.replace('\n', ""),

@@ -90,6 +90,28 @@ pub fn ends_the_command(sig: i32) -> bool {
     )
 }
 
+/// Changes this thread's signal mask for `sig` alone (`how`: `SIG_BLOCK`, `SIG_UNBLOCK`); returns
+/// the mask before.
+pub fn mask_one(how: libc::c_int, sig: libc::c_int) -> libc::sigset_t {
+    // SAFETY: sigset manipulation on local sets; the mask changed is this thread's own.
+    unsafe {
+        let (mut one, mut before): (libc::sigset_t, libc::sigset_t) = std::mem::zeroed();
+        libc::sigemptyset(&mut one);
+        libc::sigaddset(&mut one, sig);
+        libc::pthread_sigmask(how, &one, &mut before);
+        before
+    }
+}
+
+/// Runs `f` with `sig` blocked in this thread (as it was before, after).
+pub fn with_blocked<T>(sig: libc::c_int, f: impl FnOnce() -> T) -> T {
+    let before = mask_one(libc::SIG_BLOCK, sig);
+    let out = f();
+    // SAFETY: restores the mask read above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut()) };
+    out
+}
+
 /// A termination signal that came while no command ran (before or after it): long work stops.
 static CANCELLED: AtomicI32 = AtomicI32::new(0);
 
@@ -305,16 +327,13 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             CANCELLED.store(sig, Relaxed);
             crate::lock::interrupt_waits(sig);
         }
-        State::Running(Start::Command, pid) => {
+        State::Running(how, pid) => {
             if ends_the_command(sig) {
                 PASSED_ON.store(sig, Relaxed);
             }
-            let (ours, leader) = (getpgrp().as_raw(), getsid(None) == Ok(getpid()));
-            pass_on(pid, sig, code, ours, leader);
-        }
-        State::Running(Start::Keeper, pid) => {
-            if ends_the_command(sig) {
-                PASSED_ON.store(sig, Relaxed);
+            if how == Start::Command {
+                let (ours, leader) = (getpgrp().as_raw(), getsid(None) == Ok(getpid()));
+                return pass_on(pid, sig, code, ours, leader);
             }
             let tag = if code == libc::SI_KERNEL {
                 FROM_TERMINAL
@@ -329,8 +348,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
         }
         // The command is gone: only a termination signal ends what is left to do.
         State::Done if ends_the_command(sig) => CANCELLED.store(sig, Relaxed),
-        State::Done => {}
-        State::Interrupted(_) => {}
+        State::Done | State::Interrupted(_) => {}
     }
 }
 
@@ -347,23 +365,13 @@ fn start_thread() -> bool {
     let mut running = locked(&shared.thread);
     if running.is_none() {
         // Born with the wake signal blocked (masks are inherited): one sent at once waits for it.
-        let wake = crate::lock::wake_signal();
-        // SAFETY: sigset manipulation on local sets; the mask changed is this thread's, restored.
-        let before = unsafe {
-            let mut own: libc::sigset_t = std::mem::zeroed();
-            let mut before: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut own);
-            libc::sigaddset(&mut own, wake);
-            libc::pthread_sigmask(libc::SIG_BLOCK, &own, &mut before);
-            before
-        };
-        *running = std::thread::Builder::new()
-            .name("stowage-signals".into())
-            .stack_size(64 * 1024)
-            .spawn(move || take_signals(shared))
-            .ok();
-        // SAFETY: restores the mask read above.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut()) };
+        *running = with_blocked(crate::lock::wake_signal(), || {
+            std::thread::Builder::new()
+                .name("stowage-signals".into())
+                .stack_size(64 * 1024)
+                .spawn(move || take_signals(shared))
+                .ok()
+        });
     }
     // A descriptor made before stays registered once a thread runs: either takes a signal.
     if running.is_none() {

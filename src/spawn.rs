@@ -98,12 +98,8 @@ pub fn prepare(
 impl Prepared {
     /// Starts it; returns its pid.
     pub fn launch(&self) -> io::Result<libc::pid_t> {
-        let (none, attr, args, vars) = (
-            PosixSpawnFileActions::init()?,
-            &self.attr,
-            &self.args,
-            &self.vars,
-        );
+        let none = PosixSpawnFileActions::init()?;
+        let (attr, args, vars) = (&self.attr, &self.args, &self.vars);
         // They take the same arguments; only posix_spawnp searches PATH.
         let pid = match &self.path {
             Some(p) => posix_spawn(p.as_c_str(), &none, attr, args, vars),

@@ -313,7 +313,12 @@ fn wait_for_slot(
     let mut recheck = true; // a change since the tries, before the watch, told nobody
     let mut after_close: Option<Duration> = None;
     let mut reconnect = lock::Reconnect::default();
-    let mut outsider = Outsider::watched(poll.is_none());
+    let mut outsider = Outsider {
+        watched: poll.is_none(),
+        due: false,
+        holds: false,
+        next: Instant::now(),
+    };
     loop {
         // Only how soon to try again rests on it: a look that failed (a dropped connection) is none.
         let _ = outsider.look(&mut slots, store.root(), recheck);
@@ -420,16 +425,6 @@ struct Outsider {
 }
 
 impl Outsider {
-    fn watched(watched: bool) -> Outsider {
-        let (due, holds, next) = (false, false, Instant::now());
-        Outsider {
-            watched,
-            due,
-            holds,
-            next,
-        }
-    }
-
     fn look(&mut self, slots: &mut Slots, root: &Root, recheck: bool) -> std::io::Result<()> {
         self.due |= recheck || (self.holds && Instant::now() >= self.next);
         if self.watched && std::mem::take(&mut self.due) {

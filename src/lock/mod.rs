@@ -42,9 +42,10 @@ pub use wait::{
 };
 
 /// How a lock is held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    #[default]
     Shared,
     Exclusive,
 }
