@@ -248,7 +248,7 @@ impl Old {
             _ => ImagesDir::Default,
         };
         Ok(Old {
-            catalog: file_id(&root.db()),
+            catalog: crate::store::file_id(&root.db()),
             lost: false,
             rows,
             markers: markers(root),
@@ -308,10 +308,7 @@ fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
             let bytes = std::fs::read(slots.join(&dir).join(f)).ok()?;
             let body = image_record::checked_body(&bytes)?;
             let body = body.strip_prefix("stowage-slot ")?;
-            let field = |k: &str| {
-                body.lines()
-                    .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-            };
+            let field = |k| field(body, k);
             let limit = field("limit")?.parse().ok()?;
             Some((
                 field("class")?.to_owned(),
@@ -379,6 +376,12 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
     Ok(None)
 }
 
+/// The value of `KEY=` in an older release's `body`.
+fn field<'a>(body: &'a str, key: &str) -> Option<&'a str> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+}
+
 /// A record in the older release's format (`stowage-image 2|3|4`), if of this image.
 struct Token {
     state: String,
@@ -405,10 +408,7 @@ impl Token {
             return None;
         }
         let body = image_record::checked_body(&bytes)?;
-        let field = |k: &str| {
-            body.lines()
-                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-        };
+        let field = |k| field(body, k);
         (field("image")? == name).then(|| Token {
             state: field("state").unwrap_or("").to_owned(),
             used: field("used").and_then(|u| u.parse().ok()),
@@ -598,7 +598,7 @@ fn retire_catalog(
         .and_then(|()| crate::catalog::create_schema(conn))
         .and_then(|()| Ok(conn.execute_batch("COMMIT")?));
     match retired {
-        Err(_) if file_id(&db) != opened => Ok(()),
+        Err(_) if crate::store::file_id(&db) != opened => Ok(()),
         // Damaged past its rows (read whole): the records are written, the catalog is made anew.
         Err(e) if crate::catalog::is_damage(&e, &db) => {
             let line = set_aside_damaged(store, &e)?;
@@ -609,14 +609,6 @@ fn retire_catalog(
         }
         other => other,
     }
-}
-
-/// The file at `path` (device, inode), if any.
-fn file_id(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Each slot class's limits, from the older catalog into its first slot file (its other files

@@ -69,17 +69,17 @@ impl Root {
     /// Whether a store's layout is here, seen from outside: its configuration, its catalog, or its
     /// image locks' directory (which outlives a lost configuration; a `locks` may be anyone's).
     pub fn has_layout(&self) -> bool {
-        [Self::IMAGE_LOCKS_REL, crate::config::FILE, "stowage.db"]
-            .iter()
-            .any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
+        self.any_of([Self::IMAGE_LOCKS_REL, crate::config::FILE, "stowage.db"])
     }
 
     /// Whether a store lives here: one of its first-made parts (`locks`, the configuration, an old
     /// release's catalog) is there. One lstat in a store.
     pub fn holds_store(&self) -> bool {
-        ["locks", crate::config::FILE, "stowage.db"]
-            .iter()
-            .any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
+        self.any_of(["locks", crate::config::FILE, "stowage.db"])
+    }
+
+    fn any_of(&self, names: [&str; 3]) -> bool {
+        (names.iter()).any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
     }
 
     /// For a command that only reads: a store is here, else why not (66), nothing created.
@@ -458,30 +458,19 @@ impl Root {
         self.lay_out(false)
     }
 
-    /// Refuses a new store inside another's `img`, `trash` or `locks` (that store's gc would remove
-    /// it, its init adopt it), or in an images directory a store claims. Judged on the real path.
-    fn refuse_inside_another(&self) -> Result<()> {
-        let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir)) else {
-            return Ok(());
-        };
-        match inside_another_store(&real, true) {
-            Some(why) => anyhow::bail!("refusing {} as a root: {why}", self.dir.display()),
-            None => Ok(()),
-        }
-    }
-
-    /// [`Root::create_layout`] for `init`, which is asked to: also in a directory that holds
-    /// other things than a store (a store is made only in a new or empty one unasked).
-    pub fn create_layout_here(&self) -> Result<()> {
-        self.lay_out(true)
-    }
-
-    fn lay_out(&self, asked: bool) -> Result<()> {
+    /// [`Root::create_layout`], `asked` by `init`: also in a directory that holds other things than
+    /// a store (a store is made only in a new or empty one unasked).
+    pub fn lay_out(&self, asked: bool) -> Result<()> {
         let shown = self.dir.display();
         // Judged once: a maker racing us adds only a store's parts, which `no_store` passes.
         let store = self.holds_store();
-        if !store {
-            self.refuse_inside_another()?;
+        // Not inside another's `img`, `trash` or `locks` (that store's gc would remove it, its init
+        // adopt it), nor in an images directory a store claims. Judged on the real path.
+        if !store
+            && let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir))
+            && let Some(why) = inside_another_store(&real, true)
+        {
+            anyhow::bail!("refusing {shown} as a root: {why}");
         }
         let existed = match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {

@@ -356,7 +356,8 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
         .or_else_busy(|| Busy::now("the global lock".into(), holders()).into())
 }
 
-fn file_id(path: &Path) -> Option<(u64, u64)> {
+/// The file at `path` (device, inode), if any.
+pub(crate) fn file_id(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(path)
         .ok()

@@ -62,7 +62,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .as_deref()
         .map(|g| open_to_group(store, g))
         .transpose()?;
-    store.root().create_layout_here()?;
+    store.root().lay_out(true)?;
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
     if let Some(dir) = &wanted
