@@ -31,7 +31,7 @@ use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::root::Root;
 use crate::slot_limits::Kind;
-use crate::store::Store;
+use crate::store::{Store, sqlite_error};
 
 /// Whether the store is one to migrate: no configuration yet, and an older release's catalog.
 pub fn is_legacy(root: &Root) -> bool {
@@ -60,18 +60,21 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     }
     let db = root.db();
     // A catalog held by another program may be that release's: not migrated without it (75).
-    let legacy = crate::catalog::legacy_state(&root).map_err(|e| named(&db, e))?;
+    let legacy = crate::catalog::legacy_state(&root).map_err(|e| sqlite_error(&db, e))?;
     let Some(legacy) = legacy else {
         // Nothing of that release: a store whose records are all there is.
         ensure_config(&root)?;
         return Ok(());
     };
-    let at = root.dir().display();
+    let (at, db) = (root.dir().display(), db.display());
     let said = match legacy {
         Legacy::Catalog(v) => {
             format!("migrating the store at {at} (catalog schema {v}) to image records")
         }
-        Legacy::Lost(why) => lost_line(&root, &why),
+        // The bases were only in the catalog.
+        Legacy::Lost(why) => format!(
+            "migrating the store at {at} to image records from its lock files, its catalog {db} lost ({why}): states kept, bases not known"
+        ),
     };
     store.ctx().say(&said);
     let hold =
@@ -79,24 +82,6 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     let out = convert_passes(store, deadline);
     hold.release(store);
     out
-}
-
-/// The migration's line for a store whose older catalog is lost (`why`): the bases were only there.
-fn lost_line(root: &Root, why: &str) -> String {
-    let (at, db) = (root.dir().display(), root.db());
-    let db = db.display();
-    format!(
-        "migrating the store at {at} to image records from its lock files, its catalog {db} lost ({why}): states kept, bases not known"
-    )
-}
-
-/// A SQLite error of the catalog at `db` named (busy: exit 75, saying another program holds it).
-fn named(db: &Path, e: anyhow::Error) -> anyhow::Error {
-    if crate::catalog::is_sqlite(&e) {
-        crate::store::catalog_error(db, e)
-    } else {
-        e
-    }
 }
 
 /// Under the store-wide hold: passes until one finds every image lock free.
@@ -123,7 +108,7 @@ fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
                 wait_for(store, &busy, deadline)?;
             }
             None => {
-                finish(store, conn.as_ref(), &old).map_err(|e| named(&db, e))?;
+                finish(store, conn.as_ref(), &old).map_err(|e| sqlite_error(&db, e))?;
                 drop(global);
                 return Ok(());
             }
@@ -145,11 +130,11 @@ fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>
             match Old::read(&conn, root) {
                 Ok(old) => return Ok(Some((Some(conn), old))),
                 Err(e) if crate::catalog::is_damage(&e, &db) => (Some(e), false),
-                Err(e) => return Err(named(&db, e)),
+                Err(e) => return Err(sqlite_error(&db, e)),
             }
         }
         Err(e) if crate::catalog::is_damage(&e, &db) => (Some(e), true),
-        Err(e) => return Err(named(&db, e)),
+        Err(e) => return Err(sqlite_error(&db, e)),
         Ok(_) => (None, true),
     };
     drop(conn);

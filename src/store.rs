@@ -136,10 +136,7 @@ impl Store {
         if in_memory {
             let _ = conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;");
         }
-        out.map_err(|e| match catalog::is_sqlite(&e) {
-            true => catalog_error(&db, e),
-            false => e,
-        })
+        out.map_err(|e| sqlite_error(&db, e))
     }
 
     /// The catalog's connection, under the global lock: opened on first use, and anew once the file
@@ -249,6 +246,15 @@ pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<Path
         // Set aside by another process meanwhile: as good.
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(path.to_owned()),
         Err(e) => Err(e).with_context(|| format!("cannot set {} aside", path.display())),
+    }
+}
+
+/// [`catalog_error`] for an error of SQLite's; any other as it is.
+pub(crate) fn sqlite_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
+    if catalog::is_sqlite(&e) {
+        catalog_error(db, e)
+    } else {
+        e
     }
 }
 
