@@ -274,13 +274,9 @@ impl Session {
                 continue;
             };
             let asked = known.iter().find(|(k, _)| **k == r.images);
-            let dir = match i
-                .images_dir
-                .clone()
-                .or_else(|| asked.map(|(_, d)| d.clone()))
-            {
-                Some(d) => d,
-                None => crate::images_dir::for_command(&self.root, r)?,
+            let dir = match (&i.images_dir, asked) {
+                (Some(d), _) | (None, Some((_, d))) => d.clone(),
+                (None, None) => crate::images_dir::for_command(&self.root, r)?,
             };
             known.push((&r.images, dir));
         }
@@ -829,10 +825,8 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
         },
         None => return Ok(()),
     };
-    let adopt = match crate::adopt::never_adopted(images, name.encoded()) {
-        None => adopt,
-        Some(_) => "",
-    };
+    let never = crate::adopt::never_adopted(images, name.encoded()).is_some();
+    let adopt = if never { "" } else { adopt };
     anyhow::bail!(
         "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",
         path.display()
