@@ -288,11 +288,6 @@ fn charliecloud_storage(dir: &Path) -> bool {
         && dir.join("img").is_dir()
 }
 
-/// Whether `dir` is missing or has no entry.
-fn empty(dir: &Path) -> bool {
-    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
-}
-
 /// Refuses, before a store is made at the root, a directory that is no place for stowage's files:
 /// the filesystem's root, a home, the system's, or a builder's storage (ch-image would stop).
 fn refuse_what_is_no_root(root: &Root) -> Result<()> {
@@ -313,7 +308,7 @@ fn refuse_what_is_no_root(root: &Root) -> Result<()> {
         } else if d.parent() == Some(Path::new("/")) && d.exists() {
             let what = "a directory at the top of the filesystem, where the system's and its users' directories are";
             (what.to_owned(), "give a directory of the store's own below it".to_owned())
-        } else if !empty(&d.join("trash")) {
+        } else if std::fs::read_dir(d.join("trash")).is_ok_and(|mut t| t.next().is_some()) {
             let what = "a directory whose 'trash' holds what stowage did not put there (gc would delete it)";
             (what.to_owned(), own.clone())
         } else if charliecloud_storage(d) {
