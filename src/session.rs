@@ -388,12 +388,9 @@ impl Session {
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
         let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar).with_context(cannot)?;
-        let files = match done.files {
-            1 => "1 file".to_owned(),
-            n => format!("{n} files"),
-        };
+        let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
         ctx.detail(&format!(
-            "copied '{base}' to '{target}': {files}, {} ({} reflinked) in {:.2} s",
+            "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
             crate::disk_usage::human(done.bytes),
             done.reflinked,
             t0.elapsed().as_secs_f64()

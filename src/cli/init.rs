@@ -524,12 +524,9 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         if n > 0 {
             let (at, now) = (root.dir().display(), config.images.path_in(root.dir()));
             let now = now.display();
-            let (images, them) = match n {
-                1 => ("1 image".to_owned(), "it"),
-                n => (format!("{n} images"), "them"),
-            };
+            let (s, them) = if n == 1 { ("", "it") } else { ("s", "them") };
             bail!(
-                "root {at} already keeps {images} in {now}; refusing to switch to {shown} (remove {them} first)"
+                "root {at} already keeps {n} image{s} in {now}; refusing to switch to {shown} (remove {them} first)"
             );
         }
         // Its parent must exist: a mistyped path should not grow a tree.
