@@ -656,20 +656,14 @@ impl Root {
     /// Before a new store is made: an `img` in the root that another store's standing claim names
     /// is refused.
     fn refuse_claimed_img(&self) -> Result<()> {
-        if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
-            return Ok(());
-        }
-        let Ok(img) = Dir::open_nofollow(&self.default_images_dir()) else {
-            return Ok(());
-        };
-        let Some(theirs) = crate::claim::read(&img) else {
-            return Ok(());
-        };
-        let ours = Dir::anchor_nofollow(&self.dir)
-            .and_then(|d| d.identity())
-            .is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me));
+        let here = || Dir::anchor_nofollow(&self.dir).and_then(|d| d.identity());
         // No id of ours yet: a claim whose root is gone is nobody's.
-        if !ours && theirs.binds(&self.default_images_dir()) {
+        if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_err()
+            && let Ok(img) = Dir::open_nofollow(&self.default_images_dir())
+            && let Some(theirs) = crate::claim::read(&img)
+            && !here().is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me))
+            && theirs.binds(&self.default_images_dir())
+        {
             anyhow::bail!(
                 "images directory {} belongs to the store at {}: one images directory serves one store; choose another root",
                 self.default_images_dir().display(),

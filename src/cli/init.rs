@@ -443,10 +443,8 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     {
         return Err(belongs(other, use_root(other)));
     }
-    let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
-        return Ok(());
-    };
-    let Some(theirs) = crate::claim::read(&images) else {
+    let images = crate::dir::Dir::open_nofollow(dir).ok();
+    let Some(theirs) = images.and_then(|d| crate::claim::read(&d)) else {
         return Ok(());
     };
     let config = root
