@@ -137,13 +137,10 @@ fn read_of_fd(fd: std::os::fd::RawFd) -> io::Result<Option<Claim>> {
     }))
 }
 
-/// What claims the directory at `path`, its last component not followed: `Ok(None)` if nothing
-/// does or the value is no claim; an error reading it as it is (`ENOTSUP`: no extended attributes).
-pub fn read_path(path: &Path) -> io::Result<Option<Claim>> {
-    read_named(path, false)
-}
-
-fn read_named(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
+/// What claims the directory at `path`, its last component followed only if `follow`: `Ok(None)`
+/// if nothing does or the value is no claim; an error reading it as it is (`ENOTSUP`: no extended
+/// attributes).
+pub fn read_path(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let get = if follow {
@@ -175,7 +172,7 @@ pub fn read_fd(dir: &Dir) -> io::Result<Option<Claim>> {
     if unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_PATH == 0 {
         return read_of_fd(fd);
     }
-    match read_named(Path::new(&format!("/proc/self/fd/{fd}")), true) {
+    match read_path(Path::new(&format!("/proc/self/fd/{fd}")), true) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => read_of_fd(dir.sub(".")?.as_raw_fd()),
         read => read,
     }

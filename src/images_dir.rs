@@ -96,7 +96,7 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
 
 /// [`not_this_stores`] by the claim on `dir`'s path; one missing is left to what opens it.
 fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<String> {
-    let claim = crate::claim::read_path(dir);
+    let claim = crate::claim::read_path(dir, false);
     if claim
         .as_ref()
         .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
