@@ -90,13 +90,9 @@ impl Claim {
     /// says and its configuration records another images directory (`path` is a copy's `img`,
     /// claim and all). A root gone may only have moved, and an error looking is no evidence.
     pub fn binds(&self, path: &Path) -> bool {
-        let Some(anchor) = self.root_there() else {
+        let Some(recorded) = self.recorded() else {
             return true;
         };
-        let recorded = crate::config::read(&self.path, &anchor)
-            .ok()
-            .flatten()
-            .and_then(|c| c.identity);
         match (recorded, Dir::anchor(path).and_then(|d| d.identity())) {
             (Some(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
             _ => true,
@@ -106,14 +102,18 @@ impl Claim {
     /// Whether the claiming store uses `dir` as its images directory now, by positive evidence: its
     /// root is where it says and records `dir`'s identity (a copy of a claimed directory is none).
     pub fn in_use_for(&self, dir: &Dir) -> bool {
-        let recorded = self.root_there().and_then(|anchor| {
-            let config = crate::config::read(&self.path, &anchor).ok().flatten()?;
-            config.identity
-        });
-        recorded.is_some_and(|r| {
+        self.recorded().flatten().is_some_and(|r| {
             dir.identity()
                 .is_ok_and(|d| crate::dir::same_identity(&r, &d))
         })
+    }
+
+    /// The images directory's identity the claiming store's configuration records, if any; `None`
+    /// if its root is not where it says.
+    fn recorded(&self) -> Option<Option<String>> {
+        let anchor = self.root_there()?;
+        let config = crate::config::read(&self.path, &anchor).ok().flatten();
+        Some(config.and_then(|c| c.identity))
     }
 
     /// The claiming store's root, if the directory at its path is still the one it names.
@@ -127,21 +127,20 @@ impl Claim {
 /// What claims the directory `dir`: `None` if nothing does (or no extended attributes, a value
 /// that is no claim, a failed read). Read whole, however long: a claim read cut would be none.
 pub fn read(dir: &Dir) -> Option<Claim> {
-    let fd = dir.as_raw_fd();
+    read_of_fd(dir.as_raw_fd()).ok().flatten()
+}
+
+fn read_of_fd(fd: std::os::fd::RawFd) -> io::Result<Option<Claim>> {
     // SAFETY: valid descriptor, C string and buffer of the length given.
-    let v = crate::dir::xattr_read(1024, |p, n| unsafe {
+    decoded(crate::dir::xattr_read(1024, |p, n| unsafe {
         libc::fgetxattr(fd, NAME.as_ptr(), p, n)
-    });
-    Claim::decode(std::str::from_utf8(&v.ok()?).ok()?)
+    }))
 }
 
-/// What claims the directory at `path`, its last component not followed: `Ok(None)` if nothing
-/// does or the value is no claim; an error reading it as it is (`ENOTSUP`: no extended attributes).
-pub fn read_path(path: &Path) -> io::Result<Option<Claim>> {
-    read_named(path, false)
-}
-
-fn read_named(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
+/// What claims the directory at `path`, its last component followed only if `follow`: `Ok(None)`
+/// if nothing does or the value is no claim; an error reading it as it is (`ENOTSUP`: no extended
+/// attributes).
+pub fn read_path(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let get = if follow {
@@ -168,19 +167,13 @@ fn decoded(v: io::Result<Vec<u8>>) -> io::Result<Option<Claim>> {
 /// descriptor (an anchor) has no attributes to ask: it is asked through `/proc/self/fd`, else
 /// (no `/proc` here, as in some containers) through the directory opened from it.
 pub fn read_fd(dir: &Dir) -> io::Result<Option<Claim>> {
-    let of_fd = |fd: std::os::fd::RawFd| {
-        // SAFETY: valid descriptor, C string and buffer of the length given.
-        decoded(crate::dir::xattr_read(1024, |p, n| unsafe {
-            libc::fgetxattr(fd, NAME.as_ptr(), p, n)
-        }))
-    };
     let fd = dir.as_raw_fd();
     // SAFETY: F_GETFL on a valid descriptor.
     if unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_PATH == 0 {
-        return of_fd(fd);
+        return read_of_fd(fd);
     }
-    match read_named(Path::new(&format!("/proc/self/fd/{fd}")), true) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => of_fd(dir.sub(".")?.as_raw_fd()),
+    match read_path(Path::new(&format!("/proc/self/fd/{fd}")), true) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => read_of_fd(dir.sub(".")?.as_raw_fd()),
         read => read,
     }
 }

@@ -86,10 +86,9 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
 /// ([`not_this_stores`], by the claim on its path; one missing is left to what opens it).
 pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     let dir = config.images.path_in(root.dir());
-    if config.images == ImagesDir::Default {
-        return Ok(dir);
-    }
-    if let Some(why) = not_this_stores_by_path(root, config, &dir) {
+    if config.images != ImagesDir::Default
+        && let Some(why) = not_this_stores_by_path(root, config, &dir)
+    {
         anyhow::bail!("{why}");
     }
     Ok(dir)
@@ -97,7 +96,7 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
 
 /// [`not_this_stores`] by the claim on `dir`'s path; one missing is left to what opens it.
 fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<String> {
-    let claim = crate::claim::read_path(dir);
+    let claim = crate::claim::read_path(dir, false);
     if claim
         .as_ref()
         .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)

@@ -31,7 +31,7 @@ use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::root::Root;
 use crate::slot_limits::Kind;
-use crate::store::Store;
+use crate::store::{Store, sqlite_error};
 
 /// Whether the store is one to migrate: no configuration yet, and an older release's catalog.
 pub fn is_legacy(root: &Root) -> bool {
@@ -60,18 +60,21 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     }
     let db = root.db();
     // A catalog held by another program may be that release's: not migrated without it (75).
-    let legacy = crate::catalog::legacy_state(&root).map_err(|e| named(&db, e))?;
+    let legacy = crate::catalog::legacy_state(&root).map_err(|e| sqlite_error(&db, e))?;
     let Some(legacy) = legacy else {
         // Nothing of that release: a store whose records are all there is.
         ensure_config(&root)?;
         return Ok(());
     };
-    let at = root.dir().display();
+    let (at, db) = (root.dir().display(), db.display());
     let said = match legacy {
         Legacy::Catalog(v) => {
             format!("migrating the store at {at} (catalog schema {v}) to image records")
         }
-        Legacy::Lost(why) => lost_line(&root, &why),
+        // The bases were only in the catalog.
+        Legacy::Lost(why) => format!(
+            "migrating the store at {at} to image records from its lock files, its catalog {db} lost ({why}): states kept, bases not known"
+        ),
     };
     store.ctx().say(&said);
     let hold =
@@ -79,24 +82,6 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     let out = convert_passes(store, deadline);
     hold.release(store);
     out
-}
-
-/// The migration's line for a store whose older catalog is lost (`why`): the bases were only there.
-fn lost_line(root: &Root, why: &str) -> String {
-    let (at, db) = (root.dir().display(), root.db());
-    let db = db.display();
-    format!(
-        "migrating the store at {at} to image records from its lock files, its catalog {db} lost ({why}): states kept, bases not known"
-    )
-}
-
-/// A SQLite error of the catalog at `db` named (busy: exit 75, saying another program holds it).
-fn named(db: &Path, e: anyhow::Error) -> anyhow::Error {
-    if crate::catalog::is_sqlite(&e) {
-        crate::store::catalog_error(db, e)
-    } else {
-        e
-    }
 }
 
 /// Under the store-wide hold: passes until one finds every image lock free.
@@ -123,7 +108,7 @@ fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
                 wait_for(store, &busy, deadline)?;
             }
             None => {
-                finish(store, conn.as_ref(), &old).map_err(|e| named(&db, e))?;
+                finish(store, conn.as_ref(), &old).map_err(|e| sqlite_error(&db, e))?;
                 drop(global);
                 return Ok(());
             }
@@ -145,11 +130,11 @@ fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>
             match Old::read(&conn, root) {
                 Ok(old) => return Ok(Some((Some(conn), old))),
                 Err(e) if crate::catalog::is_damage(&e, &db) => (Some(e), false),
-                Err(e) => return Err(named(&db, e)),
+                Err(e) => return Err(sqlite_error(&db, e)),
             }
         }
         Err(e) if crate::catalog::is_damage(&e, &db) => (Some(e), true),
-        Err(e) => return Err(named(&db, e)),
+        Err(e) => return Err(sqlite_error(&db, e)),
         Ok(_) => (None, true),
     };
     drop(conn);
@@ -248,7 +233,7 @@ impl Old {
             _ => ImagesDir::Default,
         };
         Ok(Old {
-            catalog: file_id(&root.db()),
+            catalog: crate::store::file_id(&root.db()),
             lost: false,
             rows,
             markers: markers(root),
@@ -308,10 +293,7 @@ fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
             let bytes = std::fs::read(slots.join(&dir).join(f)).ok()?;
             let body = image_record::checked_body(&bytes)?;
             let body = body.strip_prefix("stowage-slot ")?;
-            let field = |k: &str| {
-                body.lines()
-                    .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-            };
+            let field = |k| field(body, k);
             let limit = field("limit")?.parse().ok()?;
             Some((
                 field("class")?.to_owned(),
@@ -379,6 +361,12 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
     Ok(None)
 }
 
+/// The value of `KEY=` in an older release's `body`.
+fn field<'a>(body: &'a str, key: &str) -> Option<&'a str> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+}
+
 /// A record in the older release's format (`stowage-image 2|3|4`), if of this image.
 struct Token {
     state: String,
@@ -405,10 +393,7 @@ impl Token {
             return None;
         }
         let body = image_record::checked_body(&bytes)?;
-        let field = |k: &str| {
-            body.lines()
-                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-        };
+        let field = |k| field(body, k);
         (field("image")? == name).then(|| Token {
             state: field("state").unwrap_or("").to_owned(),
             used: field("used").and_then(|u| u.parse().ok()),
@@ -598,7 +583,7 @@ fn retire_catalog(
         .and_then(|()| crate::catalog::create_schema(conn))
         .and_then(|()| Ok(conn.execute_batch("COMMIT")?));
     match retired {
-        Err(_) if file_id(&db) != opened => Ok(()),
+        Err(_) if crate::store::file_id(&db) != opened => Ok(()),
         // Damaged past its rows (read whole): the records are written, the catalog is made anew.
         Err(e) if crate::catalog::is_damage(&e, &db) => {
             let line = set_aside_damaged(store, &e)?;
@@ -609,14 +594,6 @@ fn retire_catalog(
         }
         other => other,
     }
-}
-
-/// The file at `path` (device, inode), if any.
-fn file_id(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Each slot class's limits, from the older catalog into its first slot file (its other files

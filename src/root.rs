@@ -69,17 +69,17 @@ impl Root {
     /// Whether a store's layout is here, seen from outside: its configuration, its catalog, or its
     /// image locks' directory (which outlives a lost configuration; a `locks` may be anyone's).
     pub fn has_layout(&self) -> bool {
-        [Self::IMAGE_LOCKS_REL, crate::config::FILE, "stowage.db"]
-            .iter()
-            .any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
+        self.any_of([Self::IMAGE_LOCKS_REL, crate::config::FILE, "stowage.db"])
     }
 
     /// Whether a store lives here: one of its first-made parts (`locks`, the configuration, an old
     /// release's catalog) is there. One lstat in a store.
     pub fn holds_store(&self) -> bool {
-        ["locks", crate::config::FILE, "stowage.db"]
-            .iter()
-            .any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
+        self.any_of(["locks", crate::config::FILE, "stowage.db"])
+    }
+
+    fn any_of(&self, names: [&str; 3]) -> bool {
+        (names.iter()).any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
     }
 
     /// For a command that only reads: a store is here, else why not (66), nothing created.
@@ -458,30 +458,19 @@ impl Root {
         self.lay_out(false)
     }
 
-    /// Refuses a new store inside another's `img`, `trash` or `locks` (that store's gc would remove
-    /// it, its init adopt it), or in an images directory a store claims. Judged on the real path.
-    fn refuse_inside_another(&self) -> Result<()> {
-        let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir)) else {
-            return Ok(());
-        };
-        match inside_another_store(&real, true) {
-            Some(why) => anyhow::bail!("refusing {} as a root: {why}", self.dir.display()),
-            None => Ok(()),
-        }
-    }
-
-    /// [`Root::create_layout`] for `init`, which is asked to: also in a directory that holds
-    /// other things than a store (a store is made only in a new or empty one unasked).
-    pub fn create_layout_here(&self) -> Result<()> {
-        self.lay_out(true)
-    }
-
-    fn lay_out(&self, asked: bool) -> Result<()> {
+    /// [`Root::create_layout`], `asked` by `init`: also in a directory that holds other things than
+    /// a store (a store is made only in a new or empty one unasked).
+    pub fn lay_out(&self, asked: bool) -> Result<()> {
         let shown = self.dir.display();
         // Judged once: a maker racing us adds only a store's parts, which `no_store` passes.
         let store = self.holds_store();
-        if !store {
-            self.refuse_inside_another()?;
+        // Not inside another's `img`, `trash` or `locks` (that store's gc would remove it, its init
+        // adopt it), nor in an images directory a store claims. Judged on the real path.
+        if !store
+            && let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir))
+            && let Some(why) = inside_another_store(&real, true)
+        {
+            anyhow::bail!("refusing {shown} as a root: {why}");
         }
         let existed = match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
@@ -667,20 +656,14 @@ impl Root {
     /// Before a new store is made: an `img` in the root that another store's standing claim names
     /// is refused.
     fn refuse_claimed_img(&self) -> Result<()> {
-        if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
-            return Ok(());
-        }
-        let Ok(img) = Dir::open_nofollow(&self.default_images_dir()) else {
-            return Ok(());
-        };
-        let Some(theirs) = crate::claim::read(&img) else {
-            return Ok(());
-        };
-        let ours = Dir::anchor_nofollow(&self.dir)
-            .and_then(|d| d.identity())
-            .is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me));
+        let here = || Dir::anchor_nofollow(&self.dir).and_then(|d| d.identity());
         // No id of ours yet: a claim whose root is gone is nobody's.
-        if !ours && theirs.binds(&self.default_images_dir()) {
+        if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_err()
+            && let Ok(img) = Dir::open_nofollow(&self.default_images_dir())
+            && let Some(theirs) = crate::claim::read(&img)
+            && !here().is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me))
+            && theirs.binds(&self.default_images_dir())
+        {
             anyhow::bail!(
                 "images directory {} belongs to the store at {}: one images directory serves one store; choose another root",
                 self.default_images_dir().display(),

@@ -274,13 +274,9 @@ impl Session {
                 continue;
             };
             let asked = known.iter().find(|(k, _)| **k == r.images);
-            let dir = match i
-                .images_dir
-                .clone()
-                .or_else(|| asked.map(|(_, d)| d.clone()))
-            {
-                Some(d) => d,
-                None => crate::images_dir::for_command(&self.root, r)?,
+            let dir = match (&i.images_dir, asked) {
+                (Some(d), _) | (None, Some((_, d))) => d.clone(),
+                (None, None) => crate::images_dir::for_command(&self.root, r)?,
             };
             known.push((&r.images, dir));
         }
@@ -392,12 +388,9 @@ impl Session {
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
         let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar).with_context(cannot)?;
-        let files = match done.files {
-            1 => "1 file".to_owned(),
-            n => format!("{n} files"),
-        };
+        let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
         ctx.detail(&format!(
-            "copied '{base}' to '{target}': {files}, {} ({} reflinked) in {:.2} s",
+            "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
             crate::disk_usage::human(done.bytes),
             done.reflinked,
             t0.elapsed().as_secs_f64()
@@ -829,10 +822,8 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
         },
         None => return Ok(()),
     };
-    let adopt = match crate::adopt::never_adopted(images, name.encoded()) {
-        None => adopt,
-        Some(_) => "",
-    };
+    let never = crate::adopt::never_adopted(images, name.encoded()).is_some();
+    let adopt = if never { "" } else { adopt };
     anyhow::bail!(
         "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",
         path.display()

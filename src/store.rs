@@ -136,10 +136,7 @@ impl Store {
         if in_memory {
             let _ = conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;");
         }
-        out.map_err(|e| match catalog::is_sqlite(&e) {
-            true => catalog_error(&db, e),
-            false => e,
-        })
+        out.map_err(|e| sqlite_error(&db, e))
     }
 
     /// The catalog's connection, under the global lock: opened on first use, and anew once the file
@@ -252,6 +249,15 @@ pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<Path
     }
 }
 
+/// [`catalog_error`] for an error of SQLite's; any other as it is.
+pub(crate) fn sqlite_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
+    if catalog::is_sqlite(&e) {
+        catalog_error(db, e)
+    } else {
+        e
+    }
+}
+
 /// Names the catalog in SQLite errors; its lock held by an outside program is busy (exit 75).
 pub(crate) fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
     if catalog::is_busy(&e) {
@@ -356,7 +362,8 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
         .or_else_busy(|| Busy::now("the global lock".into(), holders()).into())
 }
 
-fn file_id(path: &Path) -> Option<(u64, u64)> {
+/// The file at `path` (device, inode), if any.
+pub(crate) fn file_id(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(path)
         .ok()

@@ -140,30 +140,16 @@ impl Hold {
                 hold.release(store);
                 return Err(e);
             }
-            match hold.stood(store) {
-                Ok(true) => return Ok(hold),
-                Ok(false) => hold.release(store),
-                Err(e) => {
-                    hold.release(store);
-                    return Err(e);
-                }
-            }
-        }
-    }
-
-    /// Whether `store.lock` stayed ours through the scan's waits: if the connection to the server
-    /// was lost meanwhile, the server dropped it, and the hold, which has not begun, starts over.
-    fn stood(&self, store: &Store) -> Result<bool> {
-        // Asked through a fresh descriptor (`Guard::lost`): a try through ours would be granted
-        // the dropped lock anew, hiding that image users came in meanwhile.
-        match self.guard.lost() {
-            None => Ok(true),
-            Some(why) => {
-                store.ctx().detail(&format!(
-                    "the store-wide lock was lost while waiting ({why}): taking it again"
-                ));
-                Ok(false)
-            }
+            // `store.lock` lost through the scan's waits (the connection to the server was): the
+            // hold, which has not begun, starts over. Asked through a fresh descriptor
+            // (`Guard::lost`): a try through ours would be granted the dropped lock anew.
+            let Some(why) = hold.lost() else {
+                return Ok(hold);
+            };
+            let said =
+                format!("the store-wide lock was lost while waiting ({why}): taking it again");
+            store.ctx().detail(&said);
+            hold.release(store);
         }
     }
 

@@ -62,7 +62,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .as_deref()
         .map(|g| open_to_group(store, g))
         .transpose()?;
-    store.root().create_layout_here()?;
+    store.root().lay_out(true)?;
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
     if let Some(dir) = &wanted
@@ -288,11 +288,6 @@ fn charliecloud_storage(dir: &Path) -> bool {
         && dir.join("img").is_dir()
 }
 
-/// Whether `dir` is missing or has no entry.
-fn empty(dir: &Path) -> bool {
-    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
-}
-
 /// Refuses, before a store is made at the root, a directory that is no place for stowage's files:
 /// the filesystem's root, a home, the system's, or a builder's storage (ch-image would stop).
 fn refuse_what_is_no_root(root: &Root) -> Result<()> {
@@ -313,7 +308,7 @@ fn refuse_what_is_no_root(root: &Root) -> Result<()> {
         } else if d.parent() == Some(Path::new("/")) && d.exists() {
             let what = "a directory at the top of the filesystem, where the system's and its users' directories are";
             (what.to_owned(), "give a directory of the store's own below it".to_owned())
-        } else if !empty(&d.join("trash")) {
+        } else if std::fs::read_dir(d.join("trash")).is_ok_and(|mut t| t.next().is_some()) {
             let what = "a directory whose 'trash' holds what stowage did not put there (gc would delete it)";
             (what.to_owned(), own.clone())
         } else if charliecloud_storage(d) {
@@ -448,10 +443,8 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     {
         return Err(belongs(other, use_root(other)));
     }
-    let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
-        return Ok(());
-    };
-    let Some(theirs) = crate::claim::read(&images) else {
+    let images = crate::dir::Dir::open_nofollow(dir).ok();
+    let Some(theirs) = images.and_then(|d| crate::claim::read(&d)) else {
         return Ok(());
     };
     let config = root
@@ -529,12 +522,9 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         if n > 0 {
             let (at, now) = (root.dir().display(), config.images.path_in(root.dir()));
             let now = now.display();
-            let (images, them) = match n {
-                1 => ("1 image".to_owned(), "it"),
-                n => (format!("{n} images"), "them"),
-            };
+            let (s, them) = if n == 1 { ("", "it") } else { ("s", "them") };
             bail!(
-                "root {at} already keeps {images} in {now}; refusing to switch to {shown} (remove {them} first)"
+                "root {at} already keeps {n} image{s} in {now}; refusing to switch to {shown} (remove {them} first)"
             );
         }
         // Its parent must exist: a mistyped path should not grow a tree.

@@ -421,11 +421,10 @@ fn given_empty(e: &clap::Error, args: &[OsString]) -> Option<String> {
 
 /// Whether `flag` (`--wait`) is an option of `cmd` that takes a value.
 fn takes_value(cmd: &clap::Command, flag: &str) -> bool {
-    let Some(long) = flag.strip_prefix("--") else {
-        return false;
-    };
-    cmd.get_arguments()
-        .any(|a| a.get_long() == Some(long) && a.get_action().takes_values())
+    flag.strip_prefix("--").is_some_and(|long| {
+        cmd.get_arguments()
+            .any(|a| a.get_long() == Some(long) && a.get_action().takes_values())
+    })
 }
 
 /// A value to show in the fix for an option that lost its value.

@@ -149,13 +149,10 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     let head = ["CLASS", "LIMIT", "RESERVE HIGH", "IN USE", "WAITING"];
     let mut rows = vec![head.map(String::from)];
     for ((limit, reserve, in_use), r) in reports {
+        let limit = (limit > 0).then(|| limit.to_string());
         rows.push([
             r.name,
-            if limit == 0 {
-                "unlimited".into()
-            } else {
-                limit.to_string()
-            },
+            limit.unwrap_or_else(|| "unlimited".into()),
             reserve.to_string(),
             in_use.to_string(),
             r.waiters.len().to_string(),
