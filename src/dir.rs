@@ -181,37 +181,15 @@ impl Dir {
     /// Unlike the device number it tells a bind mount of the same filesystem apart. A failed look
     /// is an error, never "another mount": a walk would leave a whole subtree out.
     pub fn mount_id(&self) -> io::Result<Option<u64>> {
-        match crate::planted::statx(self, libc::STATX_MNT_ID) {
-            Ok(stx) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
-            // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
-            Err(e) => Err(e),
-        }
+        let stx = crate::planted::statx(self, c"", libc::AT_EMPTY_PATH, libc::STATX_MNT_ID);
+        mount_id_in(stx)
     }
 
     /// The mount id of the entry `name`, not followed (`None` where the kernel does not tell it).
     pub fn mount_id_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<u64>> {
-        let name = cstr(name.as_ref())?;
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
         let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
-        // SAFETY: valid descriptor and C string, a zeroed statx out-pointer.
-        let r = unsafe {
-            let (fd, out) = (self.fd.as_raw_fd(), &mut stx as *mut libc::statx);
-            libc::syscall(
-                libc::SYS_statx,
-                fd,
-                name.as_ptr(),
-                flags,
-                libc::STATX_MNT_ID,
-                out,
-            )
-        };
-        match crate::error::cvt(r) {
-            Ok(_) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
-            Err(e) => Err(e),
-        }
+        let (name, mask) = (cstr(name.as_ref())?, libc::STATX_MNT_ID);
+        mount_id_in(crate::planted::statx(self, &name, flags, mask))
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
@@ -609,6 +587,16 @@ impl Dir {
         // Only EACCES names a refuser; other failures (a sandbox forbidding faccessat2) do not.
         let refused = r == Err(Errno::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
+    }
+}
+
+/// The mount id a `statx` for `STATX_MNT_ID` tells, if it does.
+fn mount_id_in(stx: io::Result<libc::statx>) -> io::Result<Option<u64>> {
+    match stx {
+        Ok(stx) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
+        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

@@ -285,7 +285,7 @@ pub fn check_written_dated(path: &Path, file: &File) -> io::Result<Option<Millis
 /// An open file's type bits, link count and last modification (ms, if told): one `statx`.
 fn dated(file: &File) -> io::Result<(u32, u64, Option<Millis>)> {
     let mask = libc::STATX_TYPE | libc::STATX_NLINK | libc::STATX_MTIME;
-    match statx(file, mask) {
+    match statx(file, c"", libc::AT_EMPTY_PATH, mask) {
         Ok(stx) => {
             let t = &stx.stx_mtime;
             let ms = t.tv_sec.saturating_mul(1000) + i64::from(t.tv_nsec / 1_000_000);
@@ -317,7 +317,8 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 /// still valid. Only these two are asked: a FUSE client that read the file since has marked its
 /// access time stale, and a full `fstat` would ask the filesystem's daemon again.
 pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
-    match statx(file, libc::STATX_TYPE | libc::STATX_NLINK) {
+    let mask = libc::STATX_TYPE | libc::STATX_NLINK;
+    match statx(file, c"", libc::AT_EMPTY_PATH, mask) {
         Ok(stx) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
         // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
@@ -327,18 +328,24 @@ pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
     }
 }
 
-/// `statx` of what `fd` is open on, fields `mask`: the system call itself, as in a static build
-/// libc's weak symbol can leave the call jumping to address 0.
-pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
+/// `statx` of `name` in the directory `fd` (`c""` with `AT_EMPTY_PATH`: what `fd` is open on),
+/// fields `mask`: the system call itself, as in a static build libc's weak symbol can leave the
+/// call jumping to address 0.
+pub(crate) fn statx(
+    fd: impl AsFd,
+    name: &std::ffi::CStr,
+    flags: libc::c_int,
+    mask: u32,
+) -> io::Result<libc::statx> {
     // SAFETY: all-zero bytes are a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
+    // SAFETY: valid descriptor and C string, a zeroed statx out-pointer.
     let r = unsafe {
         libc::syscall(
             libc::SYS_statx,
             fd.as_fd().as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
+            name.as_ptr(),
+            flags,
             mask,
             &mut stx as *mut libc::statx,
         )
