@@ -575,13 +575,9 @@ pub fn parse_size(raw: &str) -> Option<u64> {
         .strip_suffix("iB")
         .or_else(|| unit.strip_suffix('B'))
         .unwrap_or(unit);
-    let mult: f64 = match unit.to_ascii_uppercase().as_str() {
+    let mult = match unit.to_ascii_uppercase().as_str() {
         "" if num.fract() == 0.0 => 1.0,
-        "K" => 1024.0,
-        "M" => 1024f64.powi(2),
-        "G" => 1024f64.powi(3),
-        "T" => 1024f64.powi(4),
-        "P" => 1024f64.powi(5),
+        u if u.len() == 1 => 1024f64.powi(1 + "KMGTP".find(u)? as i32),
         _ => return None,
     };
     let bytes = num * mult;
