@@ -985,8 +985,8 @@ pub fn mount_points_in(dir: &Path) -> std::collections::HashSet<OsString> {
         .collect()
 }
 
-/// A mount point as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
-fn mount_point_named(field: &str) -> std::path::PathBuf {
+/// A mount point (or another field) as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
+pub(crate) fn mount_point_named(field: &str) -> std::path::PathBuf {
     let (b, mut out, mut i) = (field.as_bytes(), Vec::new(), 0);
     while i < b.len() {
         let oct = b
