@@ -398,7 +398,8 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         crate::lease::note(&root.leases(), hold);
         crate::debug::pause("size-measuring");
         let tree = crate::images_dir::tree_of(root, &img.record);
-        let measured = crate::disk_usage::disk_usage_if_there(&tree);
+        let measured =
+            crate::disk_usage::measure(&tree, false).map(|m| m.there.then_some(m.allocated));
         crate::lease::forget(&root.leases(), &rel);
         drop(reading);
         // A failed writer's image may have no tree: it takes nothing.
