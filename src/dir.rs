@@ -348,12 +348,6 @@ impl Dir {
         self.rename_to(name, self, to_name)
     }
 
-    /// Whether this process (its effective user) may open `name` read-write, by its permissions.
-    pub fn may_read_write(&self, name: &str) -> nix::Result<()> {
-        let rw = AccessFlags::R_OK | AccessFlags::W_OK;
-        nix::unistd::faccessat(&self.fd, name, rw, AtFlags::AT_EACCESS)
-    }
-
     /// Sets the mode of the regular file `name` through an `O_PATH|O_NOFOLLOW` descriptor of it: a
     /// symlink swapped in after a look is refused, not followed.
     pub fn chmod_at(&self, name: &str, mode: u32) -> io::Result<()> {
