@@ -277,14 +277,9 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
         }
         Err(e) if crate::space::is_full_io(&e) => {
             let locks = root.locks();
-            let locks = locks.display();
-            report.add(
-                "flock",
-                Info,
-                format!(
-                    "not tested: cannot create a file in {locks}: {e} ('stowage gc' frees space)"
-                ),
-            );
+            let (locks, gc) = (locks.display(), "'stowage gc' frees space");
+            let detail = format!("not tested: cannot create a file in {locks}: {e} ({gc})");
+            report.add("flock", Info, detail);
         }
         Err(e) => {
             report.locking = false;
