@@ -632,12 +632,8 @@ struct Level {
 fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
     let st = top.stat()?;
     let mount = top.mount_id()?;
-    let mut stack = vec![Level::enter(
-        top,
-        &st,
-        &|| "the directory".to_owned(),
-        keep,
-    )?];
+    let shown = || "the directory".to_owned();
+    let mut stack = vec![Level::enter(top, &st, &shown, keep)?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
