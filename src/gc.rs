@@ -317,12 +317,8 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
     for name in interrupted(entries) {
         let said = name.as_str().to_owned();
         // Not taken, a lock is asked as a busy one is: under way or not.
-        let taken = if take {
-            take_to_repair(ctx, &name)
-        } else {
-            Taken::Busy
-        };
-        match taken {
+        let taken = take.then(|| take_to_repair(ctx, &name));
+        match taken.unwrap_or(Taken::Busy) {
             Taken::Held(h) if deleting(&h.seen) => {
                 let done = match finish {
                     true => remove::finish_held(&ctx.root, *h),
