@@ -181,15 +181,20 @@ impl Dir {
     /// Unlike the device number it tells a bind mount of the same filesystem apart. A failed look
     /// is an error, never "another mount": a walk would leave a whole subtree out.
     pub fn mount_id(&self) -> io::Result<Option<u64>> {
-        let stx = crate::planted::statx(self, c"", libc::AT_EMPTY_PATH, libc::STATX_MNT_ID);
-        mount_id_in(stx)
+        self.mount_id_of(c"", libc::AT_EMPTY_PATH)
     }
 
     /// The mount id of the entry `name`, not followed (`None` where the kernel does not tell it).
     pub fn mount_id_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<u64>> {
-        let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
-        let (name, mask) = (cstr(name.as_ref())?, libc::STATX_MNT_ID);
-        mount_id_in(crate::planted::statx(self, &name, flags, mask))
+        let name = cstr(name.as_ref())?;
+        self.mount_id_of(&name, libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT)
+    }
+
+    fn mount_id_of(&self, name: &CStr, flags: libc::c_int) -> io::Result<Option<u64>> {
+        let stx = crate::planted::statx(self, name, flags, libc::STATX_MNT_ID)?;
+        Ok(stx
+            .filter(|s| s.stx_mask & libc::STATX_MNT_ID != 0)
+            .map(|s| s.stx_mnt_id))
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
@@ -581,16 +586,6 @@ impl Dir {
         // Only EACCES names a refuser; other failures (a sandbox forbidding faccessat2) do not.
         let refused = r == Err(Errno::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
-    }
-}
-
-/// The mount id a `statx` for `STATX_MNT_ID` tells, if it does.
-fn mount_id_in(stx: io::Result<libc::statx>) -> io::Result<Option<u64>> {
-    match stx {
-        Ok(stx) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
-        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
-        Err(e) => Err(e),
     }
 }
 

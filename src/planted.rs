@@ -294,39 +294,29 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 /// asked: a FUSE client that read the file since has marked its access time stale, and a full
 /// `fstat` would ask the filesystem's daemon again.
 pub fn type_and_links(file: &File, dated: bool) -> io::Result<(u32, u64, Option<Millis>)> {
-    let mtime = if dated { libc::STATX_MTIME } else { 0 };
-    match statx(
-        file,
-        c"",
-        libc::AT_EMPTY_PATH,
-        libc::STATX_TYPE | libc::STATX_NLINK | mtime,
-    ) {
-        Ok(stx) => {
-            let t = &stx.stx_mtime;
-            let ms = t.tv_sec.saturating_mul(1000) + i64::from(t.tv_nsec / 1_000_000);
-            let told = stx.stx_mask & libc::STATX_MTIME != 0;
-            let (mode, nlink) = (u32::from(stx.stx_mode), u64::from(stx.stx_nlink));
-            Ok((mode, nlink, told.then_some(ms)))
-        }
-        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
-            let m = file.metadata()?;
-            let ms = m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000;
-            Ok((m.mode(), m.nlink(), Some(ms)))
-        }
-        Err(e) => Err(e),
-    }
+    let mask = libc::STATX_TYPE | libc::STATX_NLINK | if dated { libc::STATX_MTIME } else { 0 };
+    let Some(stx) = statx(file, c"", libc::AT_EMPTY_PATH, mask)? else {
+        let m = file.metadata()?;
+        let ms = m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000;
+        return Ok((m.mode(), m.nlink(), Some(ms)));
+    };
+    let t = &stx.stx_mtime;
+    let ms = t.tv_sec.saturating_mul(1000) + i64::from(t.tv_nsec / 1_000_000);
+    let told = stx.stx_mask & libc::STATX_MTIME != 0;
+    let (mode, nlink) = (u32::from(stx.stx_mode), u64::from(stx.stx_nlink));
+    Ok((mode, nlink, told.then_some(ms)))
 }
 
 /// `statx` of `name` in the directory `fd` (`c""` with `AT_EMPTY_PATH`: what `fd` is open on),
 /// fields `mask`: the system call itself, as in a static build libc's weak symbol can leave the
-/// call jumping to address 0.
+/// call jumping to address 0. `None` where there is none: a kernel before statx(2) (Linux 4.11),
+/// or a sandbox that forbids it.
 pub(crate) fn statx(
     fd: impl AsFd,
     name: &std::ffi::CStr,
     flags: libc::c_int,
     mask: u32,
-) -> io::Result<libc::statx> {
+) -> io::Result<Option<libc::statx>> {
     // SAFETY: all-zero bytes are a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: valid descriptor and C string, a zeroed statx out-pointer.
@@ -340,7 +330,11 @@ pub(crate) fn statx(
             &mut stx as *mut libc::statx,
         )
     };
-    cvt(r).map(|_| stx)
+    match cvt(r) {
+        Ok(_) => Ok(Some(stx)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// [`check_written`] for what an `fstat` already said.
