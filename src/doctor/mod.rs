@@ -845,14 +845,9 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .into_iter()
             .filter(|e| e.seen.names_nothing())
             .collect();
-        let removed = if repair {
-            empty
-                .iter()
-                .filter(|e| root.unlink_if_empty(&e.path))
-                .count()
-        } else {
-            0
-        };
+        let removed = (empty.iter())
+            .filter(|e| repair && root.unlink_if_empty(&e.path))
+            .count();
         if removed > 0 {
             let what = format!("{removed} lock file(s) that name no image");
             report.swept("locks", Some("removed"), Info, what);
