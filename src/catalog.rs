@@ -642,10 +642,8 @@ pub fn share_with_group(path: &Path) -> Result<()> {
     let f = crate::planted::open(path, libc::O_RDONLY, 0).with_context(why)?;
     let m = f.metadata()?;
     if m.nlink() > 1 {
-        return Err(anyhow::anyhow!(
-            "it has other names (hard links), which may be outside the store"
-        ))
-        .with_context(why);
+        let links = "it has other names (hard links), which may be outside the store";
+        return Err(anyhow::Error::msg(links)).with_context(why);
     }
     if m.uid() == nix::unistd::geteuid().as_raw() && m.mode() & 0o060 != 0o060 {
         f.set_permissions(std::fs::Permissions::from_mode((m.mode() | 0o060) & 0o7777))

@@ -112,15 +112,12 @@ fn open_source(
     if euid == 0 || meta.st_uid != euid || meta.st_mode & need == need {
         let opened = dir.open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
         // Not ours to lend: says whose it is (only they or root may copy it).
+        let (mode, uid) = (meta.st_mode & 0o7777, meta.st_uid);
         return opened.map(|fd| (fd, None)).map_err(|e| match e.kind() {
-            io::ErrorKind::PermissionDenied => io::Error::new(
-                e.kind(),
-                format!(
-                    "{e}: it is mode {:03o} and belongs to uid {}, so only they or root can copy it",
-                    meta.st_mode & 0o7777,
-                    meta.st_uid
-                ),
-            ),
+            io::ErrorKind::PermissionDenied => {
+                let why = format!("it is mode {mode:03o} and belongs to uid {uid}, so only they or root can copy it");
+                io::Error::new(e.kind(), format!("{e}: {why}"))
+            }
             _ => e,
         });
     }

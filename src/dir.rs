@@ -181,37 +181,20 @@ impl Dir {
     /// Unlike the device number it tells a bind mount of the same filesystem apart. A failed look
     /// is an error, never "another mount": a walk would leave a whole subtree out.
     pub fn mount_id(&self) -> io::Result<Option<u64>> {
-        match crate::planted::statx(self, libc::STATX_MNT_ID) {
-            Ok(stx) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
-            // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
-            Err(e) => Err(e),
-        }
+        self.mount_id_of(c"", libc::AT_EMPTY_PATH)
     }
 
     /// The mount id of the entry `name`, not followed (`None` where the kernel does not tell it).
     pub fn mount_id_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<u64>> {
         let name = cstr(name.as_ref())?;
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-        let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
-        // SAFETY: valid descriptor and C string, a zeroed statx out-pointer.
-        let r = unsafe {
-            let (fd, out) = (self.fd.as_raw_fd(), &mut stx as *mut libc::statx);
-            libc::syscall(
-                libc::SYS_statx,
-                fd,
-                name.as_ptr(),
-                flags,
-                libc::STATX_MNT_ID,
-                out,
-            )
-        };
-        match crate::error::cvt(r) {
-            Ok(_) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
-            Err(e) => Err(e),
-        }
+        self.mount_id_of(&name, libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT)
+    }
+
+    fn mount_id_of(&self, name: &CStr, flags: libc::c_int) -> io::Result<Option<u64>> {
+        let stx = crate::planted::statx(self, name, flags, libc::STATX_MNT_ID)?;
+        Ok(stx
+            .filter(|s| s.stx_mask & libc::STATX_MNT_ID != 0)
+            .map(|s| s.stx_mnt_id))
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
@@ -368,12 +351,6 @@ impl Dir {
             return Err(io::ErrorKind::AlreadyExists.into());
         }
         self.rename_to(name, self, to_name)
-    }
-
-    /// Whether this process (its effective user) may open `name` read-write, by its permissions.
-    pub fn may_read_write(&self, name: &str) -> nix::Result<()> {
-        let rw = AccessFlags::R_OK | AccessFlags::W_OK;
-        nix::unistd::faccessat(&self.fd, name, rw, AtFlags::AT_EACCESS)
     }
 
     /// Sets the mode of the regular file `name` through an `O_PATH|O_NOFOLLOW` descriptor of it: a
@@ -650,12 +627,8 @@ struct Level {
 fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
     let st = top.stat()?;
     let mount = top.mount_id()?;
-    let mut stack = vec![Level::enter(
-        top,
-        &st,
-        &|| "the directory".to_owned(),
-        keep,
-    )?];
+    let shown = || "the directory".to_owned();
+    let mut stack = vec![Level::enter(top, &st, &shown, keep)?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
@@ -997,8 +970,8 @@ pub fn mount_points_in(dir: &Path) -> std::collections::HashSet<OsString> {
         .collect()
 }
 
-/// A mount point as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
-fn mount_point_named(field: &str) -> std::path::PathBuf {
+/// A mount point (or another field) as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
+pub(crate) fn mount_point_named(field: &str) -> std::path::PathBuf {
     let (b, mut out, mut i) = (field.as_bytes(), Vec::new(), 0);
     while i < b.len() {
         let oct = b

@@ -29,19 +29,8 @@ pub struct Measure {
     pub shared: u64,
     /// What another image may refer to too.
     pub shares: Shares,
-    /// Whether `dir` was there (a missing one measures nothing).
+    /// Whether `dir` was there (a missing one measures nothing; one walk: the top's open tells).
     pub there: bool,
-}
-
-/// Bytes allocated under `dir`. A missing directory uses nothing.
-pub fn disk_usage(dir: &Path) -> io::Result<u64> {
-    Ok(measure(dir, false)?.allocated)
-}
-
-/// Bytes allocated under `dir`, or `None` if there is no `dir` (one walk: the top's open tells).
-pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
-    let m = measure(dir, false)?;
-    Ok(m.there.then_some(m.allocated))
 }
 
 /// Bytes deleting `dir` alone gives back ([`Measure::freed`]); extents read where they may be
@@ -444,6 +433,11 @@ pub fn human(bytes: u64) -> String {
 mod tests {
     use super::*;
     use std::fs;
+
+    /// Bytes allocated under `dir`. A missing directory uses nothing.
+    fn disk_usage(dir: &Path) -> io::Result<u64> {
+        Ok(measure(dir, false)?.allocated)
+    }
 
     #[test]
     fn counts_hard_links_once_and_skips_symlink_targets() {

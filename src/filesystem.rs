@@ -88,6 +88,7 @@ pub fn mount_of(path: &Path) -> Option<Mount> {
 }
 
 fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    use crate::dir::mount_point_named as unescaped;
     // id parent maj:min root mount-point options [optional...] - fstype source super-options
     let mount = |line: &str| {
         let (left, right) = line.split_once(" - ")?;
@@ -98,27 +99,13 @@ fn parse_mountinfo(text: &str) -> Vec<Mount> {
         }
         let options = l[5].split(',').chain(r[2].split(','));
         Some(Mount {
-            mount_point: std::path::PathBuf::from(unescape(l[4])),
+            mount_point: unescaped(l[4]),
             fstype: r[0].to_owned(),
-            source: unescape(r[1]),
+            source: unescaped(r[1]).to_string_lossy().into_owned(),
             options: options.map(str::to_owned).collect(),
         })
     };
     text.lines().filter_map(mount).collect()
-}
-
-/// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(s: &str) -> String {
-    let (mut out, mut chars) = (String::new(), s.chars());
-    while let Some(c) = chars.next() {
-        // The three octal digits after a backslash; nothing after any other character.
-        let oct: String = chars.by_ref().take(if c == '\\' { 3 } else { 0 }).collect();
-        match u8::from_str_radix(&oct, 8) {
-            Ok(v) => out.push(v as char),
-            Err(_) => out.extend([c].into_iter().chain(oct.chars())),
-        }
-    }
-    out
 }
 
 /// Whether locks on a shared filesystem exclude other hosts, as its mount and client settings tell.

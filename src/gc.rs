@@ -317,12 +317,8 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
     for name in interrupted(entries) {
         let said = name.as_str().to_owned();
         // Not taken, a lock is asked as a busy one is: under way or not.
-        let taken = if take {
-            take_to_repair(ctx, &name)
-        } else {
-            Taken::Busy
-        };
-        match taken {
+        let taken = take.then(|| take_to_repair(ctx, &name));
+        match taken.unwrap_or(Taken::Busy) {
             Taken::Held(h) if deleting(&h.seen) => {
                 let done = match finish {
                     true => remove::finish_held(&ctx.root, *h),
@@ -575,13 +571,9 @@ pub fn parse_size(raw: &str) -> Option<u64> {
         .strip_suffix("iB")
         .or_else(|| unit.strip_suffix('B'))
         .unwrap_or(unit);
-    let mult: f64 = match unit.to_ascii_uppercase().as_str() {
+    let mult = match unit.to_ascii_uppercase().as_str() {
         "" if num.fract() == 0.0 => 1.0,
-        "K" => 1024.0,
-        "M" => 1024f64.powi(2),
-        "G" => 1024f64.powi(3),
-        "T" => 1024f64.powi(4),
-        "P" => 1024f64.powi(5),
+        u if u.len() == 1 => 1024f64.powi(1 + "KMGTP".find(u)? as i32),
         _ => return None,
     };
     let bytes = num * mult;

@@ -290,8 +290,8 @@ impl Seen {
     /// the stat check then refuses the hard link.
     pub fn proves_linked(&self, file: &File, path: &Path, writes: bool) -> bool {
         let one_name = || {
-            crate::planted::type_and_links(file)
-                .is_ok_and(|(mode, links)| mode & libc::S_IFMT == libc::S_IFREG && links == 1)
+            crate::planted::type_and_links(file, false)
+                .is_ok_and(|(mode, links, _)| mode & libc::S_IFMT == libc::S_IFREG && links == 1)
         };
         if self.record.is_some() {
             return !writes || one_name();

@@ -266,84 +266,75 @@ pub fn denied(path: &Path) -> Option<String> {
 /// Fails unless `file` (opened from `path`) is a regular file: one `fstat`. Enough for a file that
 /// is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
-    kind_of_mode(type_and_links(file)?.0).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
+    kind_of_mode(type_and_links(file, false)?.0).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
 /// [`check`], and when the file was last written by the filesystem's clock (ms; `None` where not
 /// told), in the same `statx`: a time no host's clock stamped.
 pub fn check_dated(path: &Path, file: &File) -> io::Result<Option<Millis>> {
-    let (mode, _, written) = dated(file)?;
+    let (mode, _, written) = type_and_links(file, true)?;
     kind_of_mode(mode).map_or(Ok(written), |kind| Err(not_a_file(path, kind)))
 }
 
 /// [`check_written`] and [`check_dated`] in one `statx`.
 pub fn check_written_dated(path: &Path, file: &File) -> io::Result<Option<Millis>> {
-    let (mode, nlink, written) = dated(file)?;
+    let (mode, nlink, written) = type_and_links(file, true)?;
     kind_of(mode, nlink).map_or(Ok(written), |kind| Err(not_a_file(path, kind)))
-}
-
-/// An open file's type bits, link count and last modification (ms, if told): one `statx`.
-fn dated(file: &File) -> io::Result<(u32, u64, Option<Millis>)> {
-    let mask = libc::STATX_TYPE | libc::STATX_NLINK | libc::STATX_MTIME;
-    match statx(file, mask) {
-        Ok(stx) => {
-            let t = &stx.stx_mtime;
-            let ms = t.tv_sec.saturating_mul(1000) + i64::from(t.tv_nsec / 1_000_000);
-            let told = stx.stx_mask & libc::STATX_MTIME != 0;
-            Ok((
-                u32::from(stx.stx_mode),
-                u64::from(stx.stx_nlink),
-                told.then_some(ms),
-            ))
-        }
-        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
-            let m = file.metadata()?;
-            let ms = m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000;
-            Ok((m.mode(), m.nlink(), Some(ms)))
-        }
-        Err(e) => Err(e),
-    }
 }
 
 /// Fails unless `file` (opened from `path`) is a regular file with no other name: one `fstat`. For
 /// a file written in place or chmod-ed: a second name would carry the change outside the root.
 pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
-    let (mode, nlink) = type_and_links(file)?;
+    let (mode, nlink, _) = type_and_links(file, false)?;
     kind_of(mode, nlink).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
-/// An open file's type bits and link count, as the attributes its open fetched say where those are
-/// still valid. Only these two are asked: a FUSE client that read the file since has marked its
-/// access time stale, and a full `fstat` would ask the filesystem's daemon again.
-pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
-    match statx(file, libc::STATX_TYPE | libc::STATX_NLINK) {
-        Ok(stx) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
-        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
-            file.metadata().map(|m| (m.mode(), m.nlink()))
-        }
-        Err(e) => Err(e),
-    }
+/// An open file's type bits, link count and, if `dated`, last modification (ms, if told): one
+/// `statx`, as the attributes its open fetched say where those are still valid. Only these are
+/// asked: a FUSE client that read the file since has marked its access time stale, and a full
+/// `fstat` would ask the filesystem's daemon again.
+pub fn type_and_links(file: &File, dated: bool) -> io::Result<(u32, u64, Option<Millis>)> {
+    let mask = libc::STATX_TYPE | libc::STATX_NLINK | if dated { libc::STATX_MTIME } else { 0 };
+    let Some(stx) = statx(file, c"", libc::AT_EMPTY_PATH, mask)? else {
+        let m = file.metadata()?;
+        let ms = m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000;
+        return Ok((m.mode(), m.nlink(), Some(ms)));
+    };
+    let t = &stx.stx_mtime;
+    let ms = t.tv_sec.saturating_mul(1000) + i64::from(t.tv_nsec / 1_000_000);
+    let told = stx.stx_mask & libc::STATX_MTIME != 0;
+    let (mode, nlink) = (u32::from(stx.stx_mode), u64::from(stx.stx_nlink));
+    Ok((mode, nlink, told.then_some(ms)))
 }
 
-/// `statx` of what `fd` is open on, fields `mask`: the system call itself, as in a static build
-/// libc's weak symbol can leave the call jumping to address 0.
-pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
+/// `statx` of `name` in the directory `fd` (`c""` with `AT_EMPTY_PATH`: what `fd` is open on),
+/// fields `mask`: the system call itself, as in a static build libc's weak symbol can leave the
+/// call jumping to address 0. `None` where there is none: a kernel before statx(2) (Linux 4.11),
+/// or a sandbox that forbids it.
+pub(crate) fn statx(
+    fd: impl AsFd,
+    name: &std::ffi::CStr,
+    flags: libc::c_int,
+    mask: u32,
+) -> io::Result<Option<libc::statx>> {
     // SAFETY: all-zero bytes are a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
+    // SAFETY: valid descriptor and C string, a zeroed statx out-pointer.
     let r = unsafe {
         libc::syscall(
             libc::SYS_statx,
             fd.as_fd().as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
+            name.as_ptr(),
+            flags,
             mask,
             &mut stx as *mut libc::statx,
         )
     };
-    cvt(r).map(|_| stx)
+    match cvt(r) {
+        Ok(_) => Ok(Some(stx)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// [`check_written`] for what an `fstat` already said.

@@ -187,10 +187,7 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     // Set after the chown, which clears setgid on a file (not a directory).
     let mode = (st.st_mode & 0o7777) | bits | more;
     if by_path {
-        let link = std::ffi::CString::new(format!("/proc/self/fd/{raw}"))?;
-        // SAFETY: a C string naming our own descriptor's link.
-        crate::error::cvt(unsafe { libc::chmod(link.as_ptr(), mode) })?;
-        return Ok(());
+        return crate::dir::chmod_o_path(raw, mode);
     }
     Ok(fchmod(fd, Mode::from_bits_retain(mode))?)
 }

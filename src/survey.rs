@@ -88,6 +88,7 @@ pub fn orphans(
         entries.retain(|n| n != LOST_FOUND);
     }
     for raw in entries {
+        let shown = || raw.to_string_lossy().into_owned();
         // A recorded image's entry costs no stat: a listing of every image must not.
         let name = raw.to_str().map(ImageName::from_encoded);
         if matches!(&name, Some(Ok(n)) if recorded.contains(n.as_str())) {
@@ -99,8 +100,7 @@ pub fn orphans(
             .get_or_init(|| crate::dir::mount_points_in(dir))
             .contains(&raw)
         {
-            out.skipped
-                .push((raw.to_string_lossy().into_owned(), MOUNT_POINT.into()));
+            out.skipped.push((shown(), MOUNT_POINT.into()));
             continue;
         }
         let Ok(Some(e)) = images.stat_at(&raw) else {
@@ -119,13 +119,12 @@ pub fn orphans(
             _ => e.dev != *dev,
         };
         if mounted {
-            out.skipped
-                .push((raw.to_string_lossy().into_owned(), MOUNT_POINT.into()));
+            out.skipped.push((shown(), MOUNT_POINT.into()));
             continue;
         }
         let Some(enc) = raw.to_str() else {
-            let why = "the name is not valid UTF-8".into();
-            out.skipped.push((raw.to_string_lossy().into_owned(), why));
+            out.skipped
+                .push((shown(), "the name is not valid UTF-8".into()));
             continue;
         };
         let in_use = || {
@@ -399,7 +398,8 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         crate::lease::note(&root.leases(), hold);
         crate::debug::pause("size-measuring");
         let tree = crate::images_dir::tree_of(root, &img.record);
-        let measured = crate::disk_usage::disk_usage_if_there(&tree);
+        let measured =
+            crate::disk_usage::measure(&tree, false).map(|m| m.there.then_some(m.allocated));
         crate::lease::forget(&root.leases(), &rel);
         drop(reading);
         // A failed writer's image may have no tree: it takes nothing.

@@ -202,7 +202,9 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
     let ((repair, shared), (check, report)) = (how, to);
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
-    match dir.may_read_write(name) {
+    // Whether this process (its effective user) may open it read-write, by its permissions.
+    let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
+    match nix::unistd::faccessat(dir, name, rw, nix::fcntl::AtFlags::AT_EACCESS) {
         // Gone since it was listed (an image removed meanwhile): nothing to judge.
         Ok(()) | Err(nix::errno::Errno::ENOENT) => return,
         // No mode gives it back: a flag (or a security policy) refuses the write.

@@ -277,14 +277,9 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
         }
         Err(e) if crate::space::is_full_io(&e) => {
             let locks = root.locks();
-            let locks = locks.display();
-            report.add(
-                "flock",
-                Info,
-                format!(
-                    "not tested: cannot create a file in {locks}: {e} ('stowage gc' frees space)"
-                ),
-            );
+            let (locks, gc) = (locks.display(), "'stowage gc' frees space");
+            let detail = format!("not tested: cannot create a file in {locks}: {e} ({gc})");
+            report.add("flock", Info, detail);
         }
         Err(e) => {
             report.locking = false;
@@ -850,14 +845,9 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .into_iter()
             .filter(|e| e.seen.names_nothing())
             .collect();
-        let removed = if repair {
-            empty
-                .iter()
-                .filter(|e| root.unlink_if_empty(&e.path))
-                .count()
-        } else {
-            0
-        };
+        let removed = (empty.iter())
+            .filter(|e| repair && root.unlink_if_empty(&e.path))
+            .count();
         if removed > 0 {
             let what = format!("{removed} lock file(s) that name no image");
             report.swept("locks", Some("removed"), Info, what);
