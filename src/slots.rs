@@ -187,20 +187,21 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
             .with_context(|| format!("cannot write the limits of slot class '{class}'"))
     };
     write(&limits)?;
-    // An unlimited class's holders each hold a file of their own: limited now, they count against
-    // the limit. Listed after the write, as each reads the record after its take.
-    if before.is_some_and(|b| b.limit == 0) && limit > 0 {
-        let made = (dir.names().unwrap_or_default().iter())
-            .filter_map(|n| match Kind::of(n.to_str()?) {
-                Some(Kind::Normal(i)) => Some(i + 1),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0);
-        if made > limits.files {
-            limits.files = made;
-            write(&limits)?;
+    // Files beyond the record may be held: an unlimited class's holders each hold one of their
+    // own, a removed class's holders keep theirs. Each counts against the new limits. Listed after
+    // the write, as each holder reads the record after its take.
+    let (mut files, mut high_files) = (0, 0);
+    for name in dir.names().unwrap_or_default() {
+        match name.to_str().and_then(Kind::of) {
+            Some(Kind::Normal(i)) => files = files.max(i + 1),
+            Some(Kind::High(i)) => high_files = high_files.max(i + 1),
+            None => {}
         }
+    }
+    if files > limits.files || high_files > limits.high_files {
+        limits.files = limits.files.max(files);
+        limits.high_files = limits.high_files.max(high_files);
+        write(&limits)?;
     }
     settle(&root, class, &zero, limits);
     drop(global);

@@ -655,6 +655,53 @@ fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
     assert!(env.slot_entry("one").is_none());
 }
 
+/// Holders of a removed class count against the class set again under its
+/// name, whichever of its files they hold: `slots rm` then `slots set` lets
+/// no one in beyond LIMIT+N (before, the new class did not know the files
+/// still held and let three newcomers in beside three holders).
+#[test]
+fn holders_of_a_removed_class_count_against_the_class_set_again() {
+    let env = Env::new();
+    let newcomer = |priority: &str| {
+        env.run([
+            "exec",
+            "--slot",
+            "c",
+            "--priority",
+            priority,
+            "--no-wait",
+            "--",
+            "true",
+        ])
+    };
+    env.ok(["slots", "set", "c", "1", "--reserve-high", "2"]);
+    let mut held = vec![env.hold_until(&["--slot", "c"], "a", "release-a")];
+    for t in ["h1", "h2"] {
+        let opts = ["--slot", "c", "--priority", "high"];
+        held.push(env.hold_until(&opts, t, &format!("release-{t}")));
+    }
+    env.ok(["slots", "rm", "c"]);
+    env.ok(["slots", "set", "c", "3"]);
+    let out = newcomer("normal");
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert_eq!(env.slot_entry("c").unwrap()["in_use"], 3);
+    env.release("release-a");
+    env.ok(["slots", "rm", "c"]);
+    env.ok(["slots", "set", "c", "1", "--reserve-high", "1"]);
+    // Two holders of reserved files: the total of 2 is reached.
+    for priority in ["normal", "high"] {
+        let out = newcomer(priority);
+        assert_eq!(code(&out), Some(75), "{priority}: {}", show(&out));
+    }
+    for (t, h) in ["a", "h1", "h2"].iter().zip(held) {
+        env.release(&format!("release-{t}"));
+        assert_eq!(h.finish().status.code(), Some(0));
+    }
+    for priority in ["normal", "high"] {
+        assert_eq!(code(&newcomer(priority)), Some(0));
+    }
+}
+
 #[test]
 fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
     let env = Env::new();
