@@ -542,7 +542,8 @@ impl<'c> Look<'c> {
             }
             let party = self.party(n, id, h);
             match h.awaits {
-                true if state != Probe::Free => waiters.push(party),
+                // On a free lock too: a writer stopped there (^Z, SIGSTOP) keeps the gate.
+                true => waiters.push(party),
                 false if state == held_as(h.mode) => holders.push(party),
                 _ => {}
             }
@@ -774,6 +775,9 @@ fn describe(p: &Party) -> String {
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
     }
+    if stopped(p) {
+        s.push_str(", stopped");
+    }
     match p.stowage {
         Some(true) => {}
         Some(false) if p.pid.is_some() => s.push_str(", not started by stowage"),
@@ -811,9 +815,36 @@ pub fn command_cut(p: &Party, width: usize) -> String {
     })
 }
 
-pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path) -> String {
+/// Who holds the lock at `path`, ourselves left out (a wait line said after our take); with
+/// `writer_ahead`, and which writers wait at its gate ahead of new readers.
+pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path, writer_ahead: bool) -> String {
     let r = Look::new(ctx).report(kind, &ctx.root.locks_rel(path), path);
-    phrase(&r.holders)
+    let me = |p: &Party| p.pid == Some(std::process::id()) && p.pid_space == PidSpace::Here;
+    let holders: Vec<Party> = r.holders.into_iter().filter(|p| !me(p)).collect();
+    let held = phrase(&holders);
+    if !writer_ahead {
+        return held;
+    }
+    let writers: Vec<Party> = (r.waiters.into_iter())
+        .filter(|p| p.mode == Mode::Exclusive && !me(p))
+        .collect();
+    match writers.is_empty() {
+        true => held + "; and a writer waits ahead of new readers",
+        false => held + &phrase_as("; and a writer waits ahead of new readers: ", &writers),
+    }
+}
+
+/// Whether local process `p` is stopped (`^Z`, SIGSTOP): it goes on only once continued.
+pub fn stopped(p: &Party) -> bool {
+    let Some(pid) = p.pid.filter(|_| p.pid_space == PidSpace::Here) else {
+        return false;
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command's closing parenthesis, which the command may contain too.
+    let state = stat
+        .rsplit_once(") ")
+        .map(|(_, rest)| rest.as_bytes().first());
+    matches!(state, Some(Some(b'T' | b't')))
 }
 
 /// Who holds the global lock, for the rare message about waiting for it.

@@ -450,7 +450,7 @@ fn wait_in_turn<'a, T>(
         None => (LockKind::Global, root.locks(), "store".to_owned()),
     };
     crate::debug::pause("store-wide-busy");
-    let now = || crate::holders::holders_phrase(store.ctx(), kind, &path);
+    let now = || crate::holders::holders_phrase(store.ctx(), kind, &path, false);
     let holders = now();
     // Freed while we looked (see `image::wait_taking`): one more try before saying we wait.
     let mut once = Wait {

@@ -222,6 +222,14 @@ impl Graph {
         if let Some(step) = path.last_mut() {
             step.waits_for = awaited;
         }
+        // A wait nobody is in the way of (a free lock) ends the chain: the waiter is what to end.
+        if parties.is_empty() {
+            out.push(Chain {
+                steps: path,
+                cycle: None,
+            });
+            return;
+        }
         for p in parties {
             if let Some(i) = path.iter().position(|s| key(&s.party) == key(&p)) {
                 out.push(Chain {
@@ -295,6 +303,10 @@ pub fn advice(chain: &Chain) -> String {
         return format!(
             "the end is {name}: look on the hosts sharing the store for a process holding it"
         );
+    }
+    if crate::holders::stopped(end) {
+        let pid = end.pid.unwrap_or_default();
+        return format!("{name} is stopped: continue it (kill -CONT {pid}), or end it{kill}");
     }
     format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}")
 }

@@ -127,10 +127,7 @@ fn wait_taking(
         want.mode.verb()
     };
     let what = format!("{verb} lock on image '{name}'");
-    let now = || match crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path) {
-        h if writer_ahead && !h.is_empty() => h + "; and a writer waits ahead of new readers",
-        h => h,
-    };
+    let now = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path, writer_ahead);
     let holders = now();
     // The holder may be gone by now (on FUSE and NFS a close releases the lock late): one more try.
     if let Ok(Tried::Got(h)) = try_image(root, name, want.mode, want.create) {

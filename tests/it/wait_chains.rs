@@ -273,3 +273,41 @@ fn why_of_a_reader_names_the_writer_queued_ahead_as_queued_not_as_a_holder() {
     assert_eq!(code(&writer.finish()), Some(0));
     assert_eq!(code(&late.finish()), Some(0));
 }
+
+/// A writer stopped (`^Z`, SIGSTOP) while it waits, once the lock it waits
+/// for is free, keeps the gate and so every new reader out: lock-status
+/// lists it (the lock free, its waiters shown), `--why` ends the readers'
+/// chain at it and says to continue it, and a reader that gives up names
+/// it. Before, each said nobody waits, and the reader "a writer".
+#[test]
+fn a_writer_stopped_while_waiting_for_a_free_lock_is_named_as_what_keeps_readers_out() {
+    let env = Env::new();
+    env.make_image("app");
+    let holder = env.hold(&["--write", "app"], "started");
+    let writer = env.spawn(["exec", "--write", "app", "--", "true"]);
+    env.wait_for_waiter("app");
+    writer.signal(libc::SIGSTOP);
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    let stopped = format!("pid {}", writer.pid());
+
+    let out = env.run(["exec", "--read", "app", "--wait", "0.5", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let said = stderr(&out);
+    assert!(
+        said.contains(&format!("a writer waits ahead of new readers: {stopped}")),
+        "{said}"
+    );
+    assert!(said.contains(", stopped"), "{said}");
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["state"], "free", "{entry}");
+    let waiters = entry["waiters"].as_array().unwrap();
+    assert!(waiters.iter().any(|w| w["pid"] == writer.pid()), "{entry}");
+    let out = env.ok(["lock-status", "--why", "app"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let advice = format!("is stopped: continue it (kill -CONT {})", writer.pid());
+    assert!(text.contains(&advice), "{text}");
+
+    writer.signal(libc::SIGCONT);
+    assert_eq!(code(&writer.finish()), Some(0));
+}
