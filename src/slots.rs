@@ -311,10 +311,22 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
 
 /// A class as lock-status and `slots` show it: every slot file's holders, how many, and who waits.
 pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
+    report_of(look, root, class, limits, Priority::High)
+}
+
+/// [`report`] of the slots a waiter of `priority` may take: a normal one's leaves the reserved out.
+pub fn report_of(
+    look: &Look,
+    root: &Root,
+    class: &str,
+    limits: Option<Limits>,
+    priority: Priority,
+) -> LockReport {
     let dir = root.slot_class_dir(class);
+    let takes = |k: Kind| priority == Priority::High || matches!(k, Kind::Normal(_));
     let mut files: Vec<String> = crate::root::names_in(&dir)
         .into_iter()
-        .filter(|n| Kind::of(n).is_some())
+        .filter(|n| Kind::of(n).is_some_and(takes))
         .collect();
     files.sort();
     let mut in_use = 0;

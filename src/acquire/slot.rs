@@ -160,7 +160,8 @@ pub(crate) fn take(
         limits.limit, limits.reserve
     );
     let now = || {
-        let r = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
+        let look = Look::new(store.ctx());
+        let r = crate::slots::report_of(&look, root, class, Some(limits), priority);
         crate::holders::phrase_as("all in use by ", &r.holders)
     };
     let holders = now();

@@ -702,6 +702,28 @@ fn holders_of_a_removed_class_count_against_the_class_set_again() {
     }
 }
 
+/// A normal-priority waiter is told only of the holders in its way: the
+/// holder of a reserved slot, which it can never take, is not among them
+/// (before, "all in use by" named it too, as "and 1 more").
+#[test]
+fn a_normal_waiter_is_not_told_of_the_reserved_slots_holders() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1", "--reserve-high", "1"]);
+    let normal = env.hold_until(&["--slot", "one"], "normal", "release-normal");
+    let opts = ["--slot", "one", "--priority", "high"];
+    let high = env.hold_until(&opts, "high", "release-high");
+    let out = env.run(["exec", "--slot", "one", "--no-wait", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let said = stderr(&out);
+    assert!(said.contains(&format!("pid {}", normal.pid())), "{said}");
+    assert!(!said.contains(&format!("pid {}", high.pid())), "{said}");
+    assert!(!said.contains("more"), "{said}");
+    for (t, h) in [("normal", normal), ("high", high)] {
+        env.release(&format!("release-{t}"));
+        assert_eq!(h.finish().status.code(), Some(0));
+    }
+}
+
 #[test]
 fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
     let env = Env::new();
