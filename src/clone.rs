@@ -157,7 +157,7 @@ pub fn copy_tree_at(
             }
             Ok(())
         });
-        progress.total = walked.map_or(0, |()| total);
+        progress.total = walked.map_or(0, |_| total);
     }
     let meta = dir::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
     let mount = src_root

@@ -31,6 +31,8 @@ pub struct Measure {
     pub shares: Shares,
     /// Whether `dir` was there (a missing one measures nothing; one walk: the top's open tells).
     pub there: bool,
+    /// Whether a directory we may not read was left out: the measure is less than the tree.
+    pub partial: bool,
 }
 
 /// Bytes deleting `dir` alone gives back ([`Measure::freed`]); extents read where they may be
@@ -83,7 +85,7 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     let mut seen: HashMap<(u64, u64), usize> = HashMap::new();
     let mut out = Measure::default();
     let mut ranges = Vec::new();
-    walk(dir, &mut |parent, name, st| {
+    let whole = walk(dir, &mut |parent, name, st| {
         // The top is visited first, as `.`, only if it could be opened.
         out.there |= name == c".";
         let ft = dir::file_type(st);
@@ -117,6 +119,7 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         }
         Ok(())
     })?;
+    out.partial = !whole;
     out.shares.ranges = merge(ranges);
     Ok(out)
 }
@@ -137,12 +140,12 @@ type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
 /// Calls `visit` for every entry under `dir` (the top as `(dir, ".")`), depth first, on the top's
 /// filesystem and mount. Entries that vanish are skipped; a directory we may not read counts as
-/// itself.
-pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
+/// itself, and the walk returns false (it saw less than the tree).
+pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
         Ok(d) => d,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
     let at_top = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
@@ -153,6 +156,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let mut trail = Trail::default();
     let mut stack = vec![(top, names.into_iter())];
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
+    let mut whole = true;
     while let Some((d, names)) = stack.last_mut() {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let Some(name) = names.next() else {
@@ -169,6 +173,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
             // A directory we may list but not search (mode 600): its inside is not seen, as one
             // we may not list is not.
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                whole = false;
                 stack.pop();
                 trail.0.pop();
                 continue;
@@ -189,7 +194,10 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
                     Err(e) => return Err(bounded(e, &trail, &name)),
                 },
                 Err(e) if gone(&e) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EACCES) => None,
+                Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                    whole = false;
+                    None
+                }
                 Err(e) => return Err(bounded(e, &trail, &name)),
             },
         };
@@ -199,14 +207,17 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
             let names = match sub.entries() {
                 Ok(names) => names,
                 // Failing would leave the image unmeasured, counted as nothing against gc's budget.
-                Err(e) if e.raw_os_error() == Some(libc::EACCES) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                    whole = false;
+                    continue;
+                }
                 Err(e) => return Err(bounded(e, &trail, &name)),
             };
             trail.0.push(name);
             stack.push((sub, names.into_iter()));
         }
     }
-    Ok(())
+    Ok(whole)
 }
 
 // The FIEMAP ioctl (linux/fiemap.h).

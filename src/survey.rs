@@ -398,14 +398,15 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         crate::lease::note(&root.leases(), hold);
         crate::debug::pause("size-measuring");
         let tree = crate::images_dir::tree_of(root, &img.record);
-        let measured =
-            crate::disk_usage::measure(&tree, false).map(|m| m.there.then_some(m.allocated));
+        let measured = crate::disk_usage::measure(&tree, false);
         crate::lease::forget(&root.leases(), &rel);
         drop(reading);
         // A failed writer's image may have no tree: it takes nothing.
         let size = match measured {
-            Ok(Some(size)) => size,
-            Ok(None) if img.state == State::Incomplete => 0,
+            // Seen in part (a directory we may not read): kept unknown, for one who may to measure.
+            Ok(m) if m.partial => continue,
+            Ok(m) if m.there => m.allocated,
+            Ok(_) if img.state == State::Incomplete => 0,
             _ => continue,
         };
         img.size = Some(size);
