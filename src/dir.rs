@@ -944,7 +944,7 @@ fn twin_mounted(fsid: &str, uuid: &str) -> bool {
         }
         // Opened onto another filesystem, its mount point is hidden by a later mount: the XFS
         // there cannot be asked, but it is mounted, and may be the store's own disk.
-        Dir::open(&mount_point_named(f[4])).is_ok_and(|d| {
+        Dir::open(&crate::filesystem::unescaped(f[4])).is_ok_and(|d| {
             let hidden = d
                 .stat()
                 .is_ok_and(|st| st.dev != libc::makedev(major, minor));
@@ -963,26 +963,11 @@ pub fn mount_points_in(dir: &Path) -> std::collections::HashSet<OsString> {
     let points = table
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .map(mount_point_named);
+        .map(crate::filesystem::unescaped);
     points
         .filter(|p| p.parent() == Some(dir.as_path()))
         .filter_map(|p| p.file_name().map(OsStr::to_owned))
         .collect()
-}
-
-/// A mount point (or another field) as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
-pub(crate) fn mount_point_named(field: &str) -> std::path::PathBuf {
-    let (b, mut out, mut i) = (field.as_bytes(), Vec::new(), 0);
-    while i < b.len() {
-        let oct = b
-            .get(i + 1..i + 4)
-            .and_then(|o| std::str::from_utf8(o).ok());
-        match oct.map(|o| u8::from_str_radix(o, 8)) {
-            Some(Ok(c)) if b[i] == b'\\' => (out.push(c), i += 4),
-            _ => (out.push(b[i]), i += 1),
-        };
-    }
-    std::path::PathBuf::from(OsString::from_vec(out))
 }
 
 #[cfg(test)]
@@ -1072,7 +1057,10 @@ mod tests {
         assert!(same_identity("128@58465342@703", "128@58465342@703@aa"));
         assert!(same_identity("128@58465342@703@aa", "128@58465342@703"));
         assert!(!same_identity("128@58465342@703", "128@58465342@704@aa"));
-        assert_eq!(mount_point_named(r"/m\040n\134b"), Path::new("/m n\\b"));
+        assert_eq!(
+            crate::filesystem::unescaped(r"/m\040n\134b"),
+            Path::new("/m n\\b")
+        );
     }
 
     #[test]

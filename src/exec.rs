@@ -34,13 +34,6 @@ pub struct Plan {
     pub conflict_exit_code: Option<u8>,
 }
 
-/// Arguments as text, any invalid UTF-8 replaced.
-pub(crate) fn lossy(args: &[OsString]) -> Vec<String> {
-    args.iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect()
-}
-
 /// Runs the exec; returns its exit code (the command's own, or 128+N).
 pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     // Before any other thread exists, so that every thread inherits the mask.

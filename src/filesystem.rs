@@ -5,8 +5,10 @@
 //!   configuration ([`lock_reach_with`]).
 //! - Anything else is treated as shared: locks reach other hosts, the table does not show them.
 
+use std::ffi::OsString;
 use std::fs;
 use std::io;
+use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
 
 /// A filesystem, as statfs(2) names it.
@@ -87,8 +89,22 @@ pub fn mount_of(path: &Path) -> Option<Mount> {
         .max_by_key(|m| m.mount_point.as_os_str().len())
 }
 
+/// A mount point (or another field) as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
+pub(crate) fn unescaped(field: &str) -> std::path::PathBuf {
+    let (b, mut out, mut i) = (field.as_bytes(), Vec::new(), 0);
+    while i < b.len() {
+        let oct = b
+            .get(i + 1..i + 4)
+            .and_then(|o| std::str::from_utf8(o).ok());
+        match oct.map(|o| u8::from_str_radix(o, 8)) {
+            Some(Ok(c)) if b[i] == b'\\' => (out.push(c), i += 4),
+            _ => (out.push(b[i]), i += 1),
+        };
+    }
+    std::path::PathBuf::from(OsString::from_vec(out))
+}
+
 fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    use crate::dir::mount_point_named as unescaped;
     // id parent maj:min root mount-point options [optional...] - fstype source super-options
     let mount = |line: &str| {
         let (left, right) = line.split_once(" - ")?;

@@ -283,6 +283,13 @@ pub fn shortened(s: &str, max: usize) -> String {
     format!("{cut}…")
 }
 
+/// Arguments as text, any invalid UTF-8 replaced.
+pub(crate) fn lossy(args: &[std::ffi::OsString]) -> Vec<String> {
+    args.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 /// Joins arguments into one line a user could paste into a shell.
 pub fn shell_join<S: AsRef<str>>(args: &[S]) -> String {
     args.iter()

@@ -364,7 +364,7 @@ fn make_file(dir: &Path, name: &str, me: &crate::ident::Me) -> io::Result<Option
         crate::ident::start_time("self").map_or(String::new(), |t| t.to_string()),
         me.boot_id.as_deref().unwrap_or(""),
         me.user,
-        crate::ident::shell_join(&crate::exec::lossy(
+        crate::ident::shell_join(&crate::ident::lossy(
             &std::env::args_os().collect::<Vec<_>>()
         ))
         .replace('\n', "\\n"),

@@ -4,8 +4,9 @@ use std::ffi::OsString;
 
 use anyhow::Result;
 
-use crate::exec::{Plan, lossy};
+use crate::exec::Plan;
 use crate::ident;
+use crate::ident::lossy;
 use crate::name::ImageName;
 use crate::session::Request;
 use crate::slots::Priority;

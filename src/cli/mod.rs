@@ -9,7 +9,7 @@ use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::error::{self, Error};
-use crate::exec::lossy;
+use crate::ident::lossy;
 use crate::name::ImageName;
 use crate::root::Root;
 use crate::store::Store;

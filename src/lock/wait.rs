@@ -257,7 +257,13 @@ impl Worker {
             .stack_size(64 * 1024)
             .spawn(move || {
                 // Masks are inherited, even across exec: a blocked wake signal would deafen us.
-                crate::signals::mask_one(libc::SIG_UNBLOCK, wake_signal());
+                // SAFETY: sigset manipulation on a local set. (Not signals' helper: signals uses us.)
+                unsafe {
+                    let mut set: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut set);
+                    libc::sigaddset(&mut set, wake_signal());
+                    libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+                }
                 let result = loop {
                     if stopped.load(Ordering::Acquire) {
                         break Ok(false);
