@@ -61,13 +61,20 @@ pub enum Kind {
     High(u32),
 }
 
+/// The most slot files of a kind a class counts: a larger number in a name is no slot (planted,
+/// or the holder of an unlimited class past it, which a limit set later does not count).
+pub const MOST_FILES: u32 = 4096;
+
 impl Kind {
     pub fn of(file_name: &str) -> Option<Kind> {
         let stem = file_name.strip_suffix(".lock")?;
-        match stem.strip_prefix("high-") {
-            Some(n) => n.parse().ok().map(Kind::High),
-            None => stem.parse().ok().map(Kind::Normal),
-        }
+        let kind = match stem.strip_prefix("high-") {
+            Some(n) => Kind::High(n.parse().ok()?),
+            None => Kind::Normal(stem.parse().ok()?),
+        };
+        let (Kind::Normal(n) | Kind::High(n)) = kind;
+        // One spelling per slot: `007.lock` and `+7.lock` are none.
+        (n < MOST_FILES && kind.file_name() == file_name).then_some(kind)
     }
 
     pub fn file_name(self) -> String {

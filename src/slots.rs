@@ -78,8 +78,11 @@ pub(crate) fn candidates(dir: &Path, limits: &Limits, priority: Priority) -> Vec
 
 /// Files beyond `limits` that holders of a higher limit may still hold: normal, then reserved.
 pub(crate) fn beyond(dir: &Path, limits: &Limits) -> (Vec<PathBuf>, Vec<PathBuf>) {
-    let normal = (limits.limit..limits.files).map(|i| dir.join(Kind::Normal(i).file_name()));
-    let high = (limits.reserve..limits.high_files).map(|i| dir.join(Kind::High(i).file_name()));
+    // A record's count past what a class counts (damaged, or written by hand) is no file.
+    let most = |files: u32| files.min(slot_limits::MOST_FILES);
+    let normal = (limits.limit..most(limits.files)).map(|i| dir.join(Kind::Normal(i).file_name()));
+    let high =
+        (limits.reserve..most(limits.high_files)).map(|i| dir.join(Kind::High(i).file_name()));
     (normal.collect(), high.collect())
 }
 
@@ -186,27 +189,33 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
         slot_limits::write(&zero, class, Some(limits))
             .with_context(|| format!("cannot write the limits of slot class '{class}'"))
     };
-    write(&limits)?;
     // Files beyond the record may be held: an unlimited class's holders each hold one of their
-    // own, a removed class's holders keep theirs. Each counts against the new limits. Listed after
-    // the write, as each holder reads the record after its take.
-    let (mut files, mut high_files) = (0, 0);
-    for name in dir.names().unwrap_or_default() {
-        match name.to_str().and_then(Kind::of) {
-            Some(Kind::Normal(i)) => files = files.max(i + 1),
-            Some(Kind::High(i)) => high_files = high_files.max(i + 1),
-            None => {}
-        }
-    }
-    if files > limits.files || high_files > limits.high_files {
-        limits.files = limits.files.max(files);
-        limits.high_files = limits.high_files.max(high_files);
+    // own, a removed class's holders keep theirs. Each counts against the new limits: listed
+    // before the write (a set killed after it still counts them), and after it, as a holder
+    // that took a file of its own meanwhile reads the record after its take.
+    count_files(&dir, &mut limits);
+    write(&limits)?;
+    crate::debug::pause("slots-written");
+    if count_files(&dir, &mut limits) {
         write(&limits)?;
     }
     settle(&root, class, &zero, limits);
     drop(global);
     notify_change(&root, class);
     Ok(limits)
+}
+
+/// Counts in `limits` every slot file in `dir` (listed), held or not: whether it counted more.
+fn count_files(dir: &Dir, limits: &mut Limits) -> bool {
+    let before = *limits;
+    for name in dir.names().unwrap_or_default() {
+        match name.to_str().and_then(Kind::of) {
+            Some(Kind::Normal(i)) => limits.files = limits.files.max(i + 1),
+            Some(Kind::High(i)) => limits.high_files = limits.high_files.max(i + 1),
+            None => {}
+        }
+    }
+    *limits != before
 }
 
 /// Forgets the files beyond a lowered limit once nobody holds them (under the global lock).

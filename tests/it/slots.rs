@@ -705,6 +705,57 @@ fn holders_of_a_removed_class_count_against_the_class_set_again() {
 /// A normal-priority waiter is told only of the holders in its way: the
 /// holder of a reserved slot, which it can never take, is not among them
 /// (before, "all in use by" named it too, as "and 1 more").
+/// `slots set` counts a removed class's held files before it writes the new
+/// limits: killed right after that write, the class still counts them
+/// (before, a newcomer got in beside two holders under a limit of 2).
+#[test]
+fn a_slots_set_killed_after_its_write_still_counts_a_removed_class_holders() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "3"]);
+    let held: Vec<Bg> = ["a", "b", "d"]
+        .iter()
+        .map(|t| env.hold_until(&["--slot", "c"], t, &format!("release-{t}")))
+        .collect();
+    env.ok(["slots", "rm", "c"]);
+    let (set, _) = env.paused(["slots", "set", "c", "2"], "slots-written");
+    set.kill_all();
+    let mut held = held.into_iter();
+    env.release("release-a");
+    assert_eq!(code(&held.next().unwrap().finish()), Some(0));
+    let out = env.run(["exec", "--slot", "c", "--no-wait", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    for (t, h) in ["b", "d"].iter().zip(held) {
+        env.release(&format!("release-{t}"));
+        assert_eq!(code(&h.finish()), Some(0));
+    }
+}
+
+/// Files in a class's directory with slot-like names that are no slot of
+/// it (a number past what a class counts, another spelling of one) are
+/// not counted: `slots set` and takers go on, and the limit admits its
+/// full count (before, a `4000000000.lock` made `slots set` and every
+/// take abort).
+#[test]
+fn files_with_slot_like_names_that_are_no_slot_are_not_counted() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "2"]);
+    let dir = env.root.join("locks/slots/c");
+    for name in ["4000000000.lock", "007.lock", "+1.lock", "high-99999.lock"] {
+        std::fs::write(dir.join(name), "").unwrap();
+    }
+    env.ok(["slots", "set", "c", "2"]);
+    let held: Vec<Bg> = ["a", "b"]
+        .iter()
+        .map(|t| env.hold_until(&["--slot", "c"], t, &format!("release-{t}")))
+        .collect();
+    let out = env.run(["exec", "--slot", "c", "--no-wait", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    for (t, h) in ["a", "b"].iter().zip(held) {
+        env.release(&format!("release-{t}"));
+        assert_eq!(code(&h.finish()), Some(0));
+    }
+}
+
 #[test]
 fn a_normal_waiter_is_not_told_of_the_reserved_slots_holders() {
     let env = Env::new();
