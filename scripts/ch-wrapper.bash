@@ -182,9 +182,12 @@ present() {
 # comparisons of "1m" or "500ms" are of strings.
 time_ms() {
     local t=$1 number unit whole frac scale
-    t=${t//[[:space:]]/}
+    # Spaces around the value and between its number and unit, as stowage allows.
+    t=${t#"${t%%[![:space:]]*}"}
+    t=${t%"${t##*[![:space:]]}"}
     number=${t%%[[:alpha:]]*}
     unit=${t#"$number"}
+    number=${number%"${number##*[![:space:]]}"}
     case $unit in
         '' | s | sec | secs | second | seconds) scale=1000 ;;
         ms | msec) scale=1 ;;
@@ -194,9 +197,13 @@ time_ms() {
         w | week | weeks) scale=604800000 ;;
         *) return 1 ;;
     esac
-    number=${number#[+-]}
+    # A negative time, or one past stowage's ten years, is left to stowage to refuse.
+    number=${number#+}
+    [[ $number != -* || ${number#-} =~ ^0*\.?0*$ ]] || return 1
+    number=${number#-}
     [[ $number =~ ^[0-9]*(\.[0-9]*)?$ && $number == *[0-9]* ]] || return 1
     whole=${number%%.*} frac=
+    ((${#whole} <= 15 && 10#${whole:-0} <= 315360000000 / scale)) || return 1
     [[ $number != *.* ]] || frac=${number#*.}
     frac=${frac}000000
     echo $(((10#${whole:-0} * 1000000 + 10#${frac:0:6}) * scale / 1000000))
