@@ -775,8 +775,10 @@ fn describe(p: &Party) -> String {
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
     }
-    if stopped(p) {
-        s.push_str(", stopped");
+    match stopped(p) {
+        Some(Stopped::BySignal) => s.push_str(", stopped"),
+        Some(Stopped::ByTracer) => s.push_str(", stopped by its tracer (a debugger)"),
+        None => {}
     }
     match p.stowage {
         Some(true) => {}
@@ -834,17 +836,25 @@ pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path, writer_ahead: bool
     }
 }
 
-/// Whether local process `p` is stopped (`^Z`, SIGSTOP): it goes on only once continued.
-pub fn stopped(p: &Party) -> bool {
-    let Some(pid) = p.pid.filter(|_| p.pid_space == PidSpace::Here) else {
-        return false;
-    };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+/// How a stopped process goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// By a signal (`^Z`, SIGSTOP): `kill -CONT` continues it.
+    BySignal,
+    /// By its tracer (a debugger): only the tracer lets it go on.
+    ByTracer,
+}
+
+/// Whether local process `p` is stopped, and how.
+pub fn stopped(p: &Party) -> Option<Stopped> {
+    let pid = p.pid.filter(|_| p.pid_space == PidSpace::Here)?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The state follows the command's closing parenthesis, which the command may contain too.
-    let state = stat
-        .rsplit_once(") ")
-        .map(|(_, rest)| rest.as_bytes().first());
-    matches!(state, Some(Some(b'T' | b't')))
+    match stat.rsplit_once(") ")?.1.as_bytes().first()? {
+        b'T' => Some(Stopped::BySignal),
+        b't' => Some(Stopped::ByTracer),
+        _ => None,
+    }
 }
 
 /// Who holds the global lock, for the rare message about waiting for it.

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use crate::clock;
-use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, command_cut, pid_on};
+use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, Stopped, command_cut, pid_on};
 use crate::lock::Mode;
 
 /// The lock a step waits for.
@@ -304,9 +304,17 @@ pub fn advice(chain: &Chain) -> String {
             "the end is {name}: look on the hosts sharing the store for a process holding it"
         );
     }
-    if crate::holders::stopped(end) {
-        let pid = end.pid.unwrap_or_default();
-        return format!("{name} is stopped: continue it (kill -CONT {pid}), or end it{kill}");
+    let pid = end.pid.unwrap_or_default();
+    match crate::holders::stopped(end) {
+        Some(Stopped::BySignal) => {
+            return format!("{name} is stopped: continue it (kill -CONT {pid}), or end it{kill}");
+        }
+        Some(Stopped::ByTracer) => {
+            return format!(
+                "{name} is stopped by its tracer (a debugger): let it go on, or end it{kill}"
+            );
+        }
+        None => {}
     }
     format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}")
 }
