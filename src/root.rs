@@ -779,8 +779,8 @@ impl Root {
         Ok(m.mode() & 0o020 != 0)
     }
 
-    /// A root must be ours (or root's) or writable by a group of ours, and never world-writable
-    /// without the sticky bit: owner `uid`, `mode`, group `gid`.
+    /// A root must be ours (or root's) or writable by a group of ours (any root will do for root),
+    /// and never world-writable without the sticky bit: owner `uid`, `mode`, group `gid`.
     fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
         let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         if self.default && uid != euid {
@@ -791,7 +791,8 @@ impl Root {
             );
         }
         let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
-        if uid != euid && uid != 0 && !shared {
+        // Root may use any store: it is who the store's users are told to ask for repairs.
+        if uid != euid && uid != 0 && euid != 0 && !shared {
             anyhow::bail!(
                 "root {root} belongs to uid {uid} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)"
             );
