@@ -239,10 +239,7 @@ fn groups() -> Vec<(String, u32)> {
 
 /// "'users' (100)", by `/etc/group`; the number alone for a group it does not name.
 pub fn group_label(gid: u32) -> String {
-    groups()
-        .into_iter()
-        .find(|(_, g)| *g == gid)
-        .map_or_else(|| gid.to_string(), |(n, _)| format!("'{n}' ({gid})"))
+    crate::ident::group_label(gid)
 }
 
 /// A group by name or number, as `init --group` takes it (by number if not in /etc/group).
