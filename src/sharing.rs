@@ -193,6 +193,25 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
         .with_context(|| format!("cannot give images directory {shown} group {gid}"))
 }
 
+/// In a group store (group `gid`), gives its external images directory `images` (at `shown`) what
+/// its parts get where it lacks it: ours (or root's) to change, else refused naming who can.
+pub fn images_dir_to_group(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
+    let st = crate::dir::fstat(images.as_fd())?;
+    let fine = st.st_mode & DIR_BITS == DIR_BITS && st.st_gid == gid && !has_default_acl(shown);
+    let euid = nix::unistd::geteuid().as_raw();
+    if fine {
+        return Ok(());
+    }
+    if euid != 0 && st.st_uid != euid {
+        let (mode, uid, group) = (st.st_mode & 0o7777, st.st_uid, group_label(gid));
+        let (at, path) = (shown.display(), crate::ident::shell_path(shown));
+        anyhow::bail!(
+            "images directory {at} (mode {mode:o}, uid {uid}) lacks the store's group {group}: its owner or root can run 'stowage init --images-dir {path}'"
+        );
+    }
+    share_images_dir(images, shown, gid)
+}
+
 /// Gives the file or directory behind `fd` group `gid`, the group store's bits and the mode bits
 /// `more`. A file with other names (a member's hard link to a file elsewhere) is refused.
 fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
