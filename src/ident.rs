@@ -125,6 +125,16 @@ fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
     Some(name.to_owned())
 }
 
+/// "'users' (100)", by `/etc/group` (read directly: a static binary has no NSS); the number alone
+/// for a group it does not name.
+pub fn group_label(gid: u32) -> String {
+    let text = std::fs::read_to_string("/etc/group").unwrap_or_default();
+    let name = id_entries(&text)
+        .find(|&(_, g)| g == gid)
+        .map(|(n, _)| n.to_owned());
+    name.map_or_else(|| gid.to_string(), |n| format!("'{n}' ({gid})"))
+}
+
 /// Each line's name and number in the text of a password or group file (`name:x:ID:…`).
 pub fn id_entries(text: &str) -> impl Iterator<Item = (&str, u32)> {
     text.lines().filter_map(|l| {

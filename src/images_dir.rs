@@ -103,6 +103,12 @@ fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<S
     {
         return None;
     }
+    // Not read, so not judged: what keeps us out is said, never taken for a missing mark.
+    if let Err(e) = &claim
+        && e.raw_os_error() == Some(libc::EACCES)
+    {
+        return Some(unreadable(root, dir, e));
+    }
     let now = || root.open_images_dir(dir).ok()?.identity().ok();
     not_this_stores(root, Some(config), dir, claim, now)
 }
@@ -175,6 +181,28 @@ fn not_this_stores(
         return Some(not_recorded(dir, &now, recorded));
     }
     (!no_xattrs && others_may_write_config(root)).then(|| unclaimed(dir))
+}
+
+/// An images directory we may not read (`e`): whose it is, and in a group store who gives it the
+/// store's group.
+fn unreadable(root: &Root, dir: &Path, e: &std::io::Error) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let shown = dir.display();
+    let Ok(m) = std::fs::metadata(dir) else {
+        return format!("images directory {shown} cannot be read: {e}");
+    };
+    let (mode, uid, gid) = (m.mode() & 0o7777, m.uid(), m.gid());
+    let whose = format!("mode {mode:o}, uid {uid}, group {gid}");
+    let Some((store, _)) = crate::sharing::is_group_store(root.dir()) else {
+        return format!("images directory {shown} cannot be read: {e} ({whose})");
+    };
+    let (group, path) = (
+        crate::ident::group_label(store),
+        crate::ident::shell_path(dir),
+    );
+    format!(
+        "images directory {shown} cannot be read: {e} ({whose}); its owner or root gives it the store's group {group} by 'stowage init --images-dir {path}'"
+    )
 }
 
 fn unclaimed(dir: &Path) -> String {
@@ -448,6 +476,13 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     let images = match root.open_images_dir(dir) {
         Ok(d) => d,
         Err(e) => {
+            let denied = e.chain().filter_map(|c| c.downcast_ref::<std::io::Error>());
+            if let Some(e) = denied
+                .last()
+                .filter(|e| e.raw_os_error() == Some(libc::EACCES))
+            {
+                return Some(unreadable(root, dir, e));
+            }
             return Some(format!(
                 "images directory {} is not usable ({e:#}): is it mounted?",
                 dir.display()

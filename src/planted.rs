@@ -252,14 +252,39 @@ pub fn denied(path: &Path) -> Option<String> {
     let uid = m.uid();
     let fix = if uid == nix::unistd::geteuid().as_raw() {
         "'stowage doctor --repair' gives it back its mode".to_owned()
-    } else if m.mode() & 0o020 == 0 && crate::ident::in_group(m.gid()) {
-        // A group store's file: group-writable again, never world-writable.
-        format!("it belongs to uid {uid}, whose 'stowage doctor --repair' gives it back its mode")
+    } else if let Some(why) = group_store_part(path, uid, m.gid()) {
+        // A group store's file: its group and group write again, never world-writable.
+        why
     } else {
         format!("it belongs to uid {uid}, who may 'chmod 666' it")
     };
     Some(format!(
         "{shown} is mode {mode:03o}, not readable and writable by you; {fix}"
+    ))
+}
+
+/// Why a part of a group store (its root group-writable) owned by `uid`, group `gid`, keeps a
+/// member out, and who fixes it: its owner's or root's repair. `None` outside a group store.
+pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
+    // The root: the nearest directory above that holds `locks` (a part's own may be wrong too).
+    let mut above = path.ancestors().skip(1);
+    let root = above.find(|a| a.join("locks").is_dir()).or(path.parent())?;
+    let store = std::fs::metadata(root).ok()?;
+    if store.mode() & 0o020 == 0 {
+        return None;
+    }
+    let label = crate::ident::group_label;
+    let cause = if gid == store.gid() {
+        "it is not group-writable".to_owned()
+    } else {
+        format!(
+            "its group {} is not the store's {}",
+            label(gid),
+            label(store.gid())
+        )
+    };
+    Some(format!(
+        "{cause}: its owner (uid {uid}) or root can run 'stowage doctor --repair'"
     ))
 }
 

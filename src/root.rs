@@ -700,9 +700,7 @@ impl Root {
                     }
                     continue;
                 }
-                Err(e) => {
-                    return Err(e).with_context(|| format!("cannot inspect {}", path.display()));
-                }
+                Err(e) => return Err(denied_in_store(&path, e, "inspect")),
             };
             if !bad(name, &what) && name.starts_with("locks") {
                 locks_ok = false;
@@ -779,8 +777,8 @@ impl Root {
         Ok(m.mode() & 0o020 != 0)
     }
 
-    /// A root must be ours (or root's) or writable by a group of ours, and never world-writable
-    /// without the sticky bit: owner `uid`, `mode`, group `gid`.
+    /// A root must be ours (or root's) or writable by a group of ours (any root will do for root),
+    /// and never world-writable without the sticky bit: owner `uid`, `mode`, group `gid`.
     fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
         let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         if self.default && uid != euid {
@@ -791,7 +789,8 @@ impl Root {
             );
         }
         let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
-        if uid != euid && uid != 0 && !shared {
+        // Root may use any store: it is who the store's users are told to ask for repairs.
+        if uid != euid && uid != 0 && euid != 0 && !shared {
             anyhow::bail!(
                 "root {root} belongs to uid {uid} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)"
             );
@@ -913,7 +912,33 @@ fn real_path(dir: &Path) -> io::Result<PathBuf> {
 
 /// "PATH is a symlink, not a directory; refusing to use it", and what to do, for the errors an
 /// `O_NOFOLLOW|O_DIRECTORY` open gives for what is planted in a directory's place.
+/// `e`, met doing `what` to `path`; a group store's directory that keeps a member out (`path`, or
+/// the directory it is in) named with why, and who fixes it.
+fn denied_in_store(path: &Path, e: io::Error, what: &str) -> anyhow::Error {
+    let shown = path.display();
+    let closed = [path, path.parent().unwrap_or(path)]
+        .into_iter()
+        .find_map(|p| {
+            let m = fs::symlink_metadata(p).ok()?;
+            Some((
+                p,
+                m.mode() & 0o7777,
+                planted::group_store_part(p, m.uid(), m.gid())?,
+            ))
+        });
+    match closed {
+        Some((p, mode, why)) if e.raw_os_error() == Some(libc::EACCES) => {
+            let p = p.display();
+            anyhow::anyhow!("cannot {what} {shown}: {e}: {p} is mode {mode:o}; {why}")
+        }
+        _ => anyhow::Error::new(e).context(format!("cannot {what} {shown}")),
+    }
+}
+
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
+    if e.raw_os_error() == Some(libc::EACCES) {
+        return denied_in_store(path, e, "open");
+    }
     if !matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
         return anyhow::Error::new(e).context(format!("cannot open {}", path.display()));
     }
@@ -953,7 +978,7 @@ pub(crate) fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
         made => made
             .map(|()| true)
-            .with_context(|| format!("cannot create directory {}", path.display())),
+            .map_err(|e| denied_in_store(path, e, "create directory")),
     }
 }
 

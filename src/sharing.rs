@@ -4,6 +4,8 @@
 //!   and of the root's group; directories are setgid, so what is made later gets the group too.
 //! - **One list of parts** ([`parts`]): the layout, lock files, gates, slot classes, leases, image
 //!   directories (not the trees inside: those are the builder's), the catalog's journal.
+//! - **No default ACL on its directories**: with one the kernel ignores the umask, and what a
+//!   member makes in it would not be group-writable; [`repair`] removes it, [`check`] reports it.
 //! - **Only what is ours is fixed** ([`repair`]), each on a descriptor opened without following a
 //!   link: a link planted in a part's place changes nothing outside the store.
 
@@ -33,6 +35,8 @@ pub struct Wrong {
     pub mode: u32,
     pub uid: u32,
     pub gid: u32,
+    /// A directory with a default ACL, which overrides the umask of whoever makes a part in it.
+    pub default_acl: bool,
 }
 
 impl Wrong {
@@ -40,7 +44,12 @@ impl Wrong {
     pub fn describe(&self) -> String {
         let rel = if self.rel.is_empty() { "." } else { &self.rel };
         let (mode, uid, gid) = (self.mode & 0o7777, self.uid, self.gid);
-        format!("{rel} (mode {mode:o}, uid {uid}, group {gid})")
+        let acl = if self.default_acl {
+            ", default ACL"
+        } else {
+            ""
+        };
+        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl})")
     }
 }
 
@@ -101,16 +110,42 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
                 .ok()
                 .filter(|m| m.is_dir() == dir)?;
             let bits = if dir { DIR_BITS } else { FILE_BITS };
-            let fine = m.mode() & bits == bits && m.gid() == gid;
+            let default_acl = dir && has_default_acl(&root.dir().join(&rel));
+            let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
             (!fine).then(|| Wrong {
                 rel,
                 dir,
                 mode: m.mode(),
                 uid: m.uid(),
                 gid: m.gid(),
+                default_acl,
             })
         })
         .collect()
+}
+
+/// The extended attribute holding a directory's default ACL.
+const DEFAULT_ACL: &std::ffi::CStr = c"system.posix_acl_default";
+
+/// Whether the directory at `path` has a default ACL (none where the filesystem keeps no ACLs).
+fn has_default_acl(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
+    else {
+        return false;
+    };
+    // SAFETY: two C strings of ours; a null buffer of size 0 asks only for the value's size.
+    let n = unsafe { libc::lgetxattr(c.as_ptr(), DEFAULT_ACL.as_ptr(), std::ptr::null_mut(), 0) };
+    n >= 0
+}
+
+/// Removes the default ACL of the directory behind `fd`, if it has one.
+fn drop_default_acl(fd: BorrowedFd) -> io::Result<()> {
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+    // SAFETY: a descriptor of ours and a C string.
+    match crate::error::cvt(unsafe { libc::fremovexattr(raw, DEFAULT_ACL.as_ptr()) }) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => Ok(()),
+        other => other.map(drop),
+    }
 }
 
 /// What [`repair`] did.
@@ -158,6 +193,25 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
         .with_context(|| format!("cannot give images directory {shown} group {gid}"))
 }
 
+/// In a group store (group `gid`), gives its external images directory `images` (at `shown`) what
+/// its parts get where it lacks it: ours (or root's) to change, else refused naming who can.
+pub fn images_dir_to_group(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
+    let st = crate::dir::fstat(images.as_fd())?;
+    let fine = st.st_mode & DIR_BITS == DIR_BITS && st.st_gid == gid && !has_default_acl(shown);
+    let euid = nix::unistd::geteuid().as_raw();
+    if fine {
+        return Ok(());
+    }
+    if euid != 0 && st.st_uid != euid {
+        let (mode, uid, group) = (st.st_mode & 0o7777, st.st_uid, group_label(gid));
+        let (at, path) = (shown.display(), crate::ident::shell_path(shown));
+        anyhow::bail!(
+            "images directory {at} (mode {mode:o}, uid {uid}) lacks the store's group {group}: its owner or root can run 'stowage init --images-dir {path}'"
+        );
+    }
+    share_images_dir(images, shown, gid)
+}
+
 /// Gives the file or directory behind `fd` group `gid`, the group store's bits and the mode bits
 /// `more`. A file with other names (a member's hard link to a file elsewhere) is refused.
 fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
@@ -183,6 +237,9 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     } else if st.st_gid != gid {
         fchown(fd, None, Some(Gid::from_raw(gid)))?;
     }
+    if dir && !by_path {
+        drop_default_acl(fd)?;
+    }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
     let mode = (st.st_mode & 0o7777) | bits | more;
@@ -201,10 +258,7 @@ fn groups() -> Vec<(String, u32)> {
 
 /// "'users' (100)", by `/etc/group`; the number alone for a group it does not name.
 pub fn group_label(gid: u32) -> String {
-    groups()
-        .into_iter()
-        .find(|(_, g)| *g == gid)
-        .map_or_else(|| gid.to_string(), |(n, _)| format!("'{n}' ({gid})"))
+    crate::ident::group_label(gid)
 }
 
 /// A group by name or number, as `init --group` takes it (by number if not in /etc/group).

@@ -88,7 +88,16 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let said = format!("root {at} ready; images in {}{note}", dir.display());
     store.ctx().say(&said);
     // Shared last, once nothing is left to refuse: a refused init changes no mode and no group.
-    group.map_or(Ok(0), |gid| share(store, &images, &dir, gid))
+    if let Some(gid) = group {
+        return share(store, &images, &dir, gid);
+    }
+    // A group store's images directory, made or named by any member, is the group's too.
+    if let Some((gid, _)) = sharing::is_group_store(root.dir())
+        && dir != root.default_images_dir()
+    {
+        sharing::images_dir_to_group(&images, &dir, gid)?;
+    }
+    Ok(0)
 }
 
 /// Adopts the trees in the images directory (`images`, at `dir`) that have no record, saying which

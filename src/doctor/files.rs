@@ -217,7 +217,10 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
         Err(_) => {}
     }
     if uid != nix::unistd::geteuid().as_raw() {
-        report.add(check, Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
+        // In a group store: its group and group write, never world-writable.
+        let fix = crate::planted::group_store_part(path, uid, st.gid);
+        let fix = fix.unwrap_or_else(|| "they may 'chmod 666' it".to_owned());
+        report.add(check, Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: {fix}"));
         return;
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };

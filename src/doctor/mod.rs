@@ -344,8 +344,9 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
         let parts = sharing::list(&done.fixed, 4);
-        let detail =
-            format!("gave group {label} and group write (setgid on directories) to {parts}");
+        let detail = format!(
+            "gave group {label} and group write (directories: setgid, no default ACL) to {parts}"
+        );
         report.add("sharing", Repaired, detail);
     }
     if !done.not_ours.is_empty() {

@@ -877,7 +877,18 @@ fn denied(path: &Path) -> String {
             m.gid()
         ),
         Some(m) if m.mode() & 0o020 != 0 => {
-            format!("{said}; its owner's 'stowage doctor --repair' fixes it ({doc})")
+            // The cause, or the directory above that keeps us from looking at it.
+            let why = cause.ancestors().take(2).find_map(|c| {
+                let m = std::fs::symlink_metadata(c).ok()?;
+                crate::planted::group_store_part(c, m.uid(), m.gid())
+            });
+            let why =
+                why.unwrap_or_else(|| "its owner's 'stowage doctor --repair' fixes it".into());
+            let mode = std::fs::metadata(cause).map_or_else(
+                |e| format!(": {e}"),
+                |m| format!(" (mode {:o})", m.mode() & 0o7777),
+            );
+            format!("{}{mode}: {why} ({doc})", cause.display())
         }
         Some(m) => format!(
             "{}: you may not write this store (uid {}'s, not shared); its owner can run 'stowage init --group GROUP' ({doc})",
@@ -909,6 +920,13 @@ fn owner_kept_out(root: &Path, dir: &Path, path: &Path) -> Option<String> {
     let (mode, owner, shown) = (m.mode() & 0o7777, m.uid(), closed.display());
     // Another's directory in the store: its mode is not ours to change, its owner is the cause.
     if owner != nix::unistd::geteuid().as_raw() {
+        // A member's directory in a group store: not group-writable, or not of the store's group.
+        if let Some(why) = crate::planted::group_store_part(closed, owner, m.gid()) {
+            let path = path.display();
+            return Some(format!(
+                "{path}: {shown} belongs to uid {owner} (mode {mode:03o}), which keeps you out; {why}"
+            ));
+        }
         return Some(format!(
             "{}: {shown} belongs to uid {owner} (mode {mode:03o}), which keeps you out; 'chown' it back to you (as root)",
             path.display()
