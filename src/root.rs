@@ -777,7 +777,7 @@ impl Root {
         Ok(m.mode() & 0o020 != 0)
     }
 
-    /// A root must be ours (or root's) or writable by a group of ours (any root will do for root),
+    /// A root must be ours (or root's) or writable by a group of ours (by any group, for root),
     /// and never world-writable without the sticky bit: owner `uid`, `mode`, group `gid`.
     fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
         let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
@@ -788,9 +788,11 @@ impl Root {
                 Root::another_default(uid, euid)
             );
         }
-        let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
-        // Root may use any store: it is who the store's users are told to ask for repairs.
-        if uid != euid && uid != 0 && euid != 0 && !shared {
+        // Root may use a group's store of a group it is not in: its users are sent to root for the
+        // repairs only it can make. Another user's private store stays theirs, root's too.
+        let group_writable = mode & 0o020 != 0;
+        let shared = group_writable && (crate::ident::in_group(gid) || euid == 0);
+        if uid != euid && uid != 0 && !shared {
             anyhow::bail!(
                 "root {root} belongs to uid {uid} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)"
             );

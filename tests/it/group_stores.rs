@@ -1074,6 +1074,31 @@ fn root_repairs_and_uses_a_group_store_of_a_group_it_is_not_in() {
         &[GID],
         &["exec", "--write", "r", "--slot", "pull", "--", "true"],
     );
+    // Another user's private store stays theirs: root is refused there.
+    let private = env.tmp.path().join("private");
+    fs::create_dir(&private).unwrap();
+    std::os::unix::fs::chown(&private, Some(OWNER), Some(OWNER)).unwrap();
+    let mut init = Command::new("setpriv");
+    init.args([
+        &format!("--reuid={OWNER}"),
+        &format!("--regid={OWNER}"),
+        "--clear-groups",
+        "--",
+    ])
+    .arg(bin())
+    .arg("--root")
+    .arg(&private)
+    .arg("init");
+    assert_eq!(code(&output(init)), Some(0));
+    let mut images = Command::new(bin());
+    images.arg("--root").arg(&private).arg("images");
+    let out = output(images);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("not shared with a group of yours"),
+        "{}",
+        show(&out)
+    );
 }
 
 #[test]
