@@ -402,15 +402,16 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         crate::lease::forget(&root.leases(), &rel);
         drop(reading);
         // A failed writer's image may have no tree: it takes nothing.
-        let size = match measured {
-            // Seen in part (a directory we may not read): kept unknown, for one who may to measure.
-            Ok(m) if m.partial => continue,
-            Ok(m) if m.there => m.allocated,
-            Ok(_) if img.state == State::Incomplete => 0,
+        let (size, whole) = match measured {
+            Ok(m) if m.there => (m.allocated, !m.partial),
+            Ok(_) if img.state == State::Incomplete => (0, true),
             _ => continue,
         };
         img.size = Some(size);
-        out.push((img.name().to_owned(), img.record.clone(), size));
+        // Seen in part (a directory we may not read): shown, not kept, for one who may to measure.
+        if whole {
+            out.push((img.name().to_owned(), img.record.clone(), size));
+        }
     }
     out
 }
