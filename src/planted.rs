@@ -274,14 +274,23 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
         return None;
     }
     let label = crate::ident::group_label;
-    let cause = if gid == store.gid() {
-        "it is not group-writable".to_owned()
-    } else {
+    // A directory must be searchable by the group too, a file readable.
+    let (mode, dir) =
+        std::fs::symlink_metadata(path).map_or((0, false), |m| (m.mode(), m.is_dir()));
+    let cause = if gid != store.gid() {
         format!(
             "its group {} is not the store's {}",
             label(gid),
             label(store.gid())
         )
+    } else if mode & 0o020 == 0 {
+        "it is not group-writable".to_owned()
+    } else if dir && mode & 0o010 == 0 {
+        "its group may not search it".to_owned()
+    } else if mode & 0o040 == 0 {
+        "its group may not read it".to_owned()
+    } else {
+        "it is not open to its group".to_owned()
     };
     Some(format!(
         "{cause}: its owner (uid {uid}) or root can run 'stowage doctor --repair'"

@@ -160,6 +160,21 @@ pub struct Repaired {
 /// Gives each wrong part the group `gid` and the bits a group store needs, where ours to change.
 pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     let euid = nix::unistd::geteuid().as_raw();
+    let root_mount = crate::dir::Dir::open_nofollow(root.dir()).and_then(|d| d.mount_id());
+    let root_mount = root_mount.ok().flatten();
+    let on_root_mount = |mount, f: fs::File, dir: bool| {
+        // Another filesystem mounted on a part's place (a bind mount on an image directory) is
+        // not the store's: changing it would change what is mounted, outside the store.
+        if dir
+            && crate::dir::Dir::from(std::os::fd::OwnedFd::from(f.try_clone()?)).mount_id()?
+                != mount
+        {
+            return Err(io::Error::other(
+                "another filesystem is mounted there, not the store's",
+            ));
+        }
+        fix_fd(f.as_fd(), dir, gid, 0)
+    };
     let mut done = Repaired::default();
     for w in wrong {
         if euid != 0 && w.uid != euid {
@@ -175,7 +190,7 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
             }
             other => other,
         };
-        match opened.and_then(|f| fix_fd(f.as_fd(), w.dir, gid, 0)) {
+        match opened.and_then(|f| on_root_mount(root_mount, f, w.dir)) {
             Ok(()) => done.fixed.push(w),
             // Gone since it was listed (a lock file its image's remover unlinked): nothing to fix.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -197,16 +212,22 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
 /// its parts get where it lacks it: ours (or root's) to change, else refused naming who can.
 pub fn images_dir_to_group(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
     let st = crate::dir::fstat(images.as_fd())?;
-    let fine = st.st_mode & DIR_BITS == DIR_BITS && st.st_gid == gid && !has_default_acl(shown);
-    let euid = nix::unistd::geteuid().as_raw();
-    if fine {
+    let group = group_label(gid);
+    let lacks = if st.st_gid != gid {
+        format!("lacks the store's group {group}")
+    } else if st.st_mode & DIR_BITS != DIR_BITS {
+        "is not setgid and group-writable".to_owned()
+    } else if has_default_acl(shown) {
+        "has a default ACL, which keeps what members make in it private".to_owned()
+    } else {
         return Ok(());
-    }
+    };
+    let euid = nix::unistd::geteuid().as_raw();
     if euid != 0 && st.st_uid != euid {
-        let (mode, uid, group) = (st.st_mode & 0o7777, st.st_uid, group_label(gid));
+        let (mode, uid) = (st.st_mode & 0o7777, st.st_uid);
         let (at, path) = (shown.display(), crate::ident::shell_path(shown));
         anyhow::bail!(
-            "images directory {at} (mode {mode:o}, uid {uid}) lacks the store's group {group}: its owner or root can run 'stowage init --images-dir {path}'"
+            "images directory {at} (mode {mode:o}, uid {uid}) {lacks}: its owner or root can run 'stowage init --images-dir {path}'"
         );
     }
     share_images_dir(images, shown, gid)
