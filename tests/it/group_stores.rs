@@ -1019,6 +1019,17 @@ fn as_ids(env: &Env, uid: u32, groups: &[u32], umask: &str, args: &[&str]) -> Ou
 
 /// A group store of group 100 whose root `OWNER` made (in a directory of
 /// root's), its owner in groups 100 and `GID2`.
+/// A group store (group 100) its owner, not root, made; `None` (the reason printed) where this
+/// process cannot act as another user.
+fn owners_store() -> Option<Env> {
+    if !can_act_as_a_member() {
+        return None;
+    }
+    let env = env_for_members();
+    owners_group_store(&env);
+    Some(env)
+}
+
 fn owners_group_store(env: &Env) {
     fs::create_dir(&env.root).unwrap();
     chown(&env.root, OWNER, GID);
@@ -1033,11 +1044,7 @@ fn ok_as(env: &Env, uid: u32, groups: &[u32], args: &[&str]) {
 
 #[test]
 fn root_repairs_and_uses_a_group_store_of_a_group_it_is_not_in() {
-    if !can_act_as_a_member() {
-        return;
-    }
-    let env = env_for_members();
-    owners_group_store(&env);
+    let Some(env) = owners_store() else { return };
     ok_as(
         &env,
         MEMBER,
@@ -1148,11 +1155,7 @@ fn a_default_acl_above_a_group_store_leaves_every_new_part_group_writable() {
 
 #[test]
 fn a_member_kept_out_by_a_parts_group_is_told_the_group_and_whose_repair_fixes_it() {
-    if !can_act_as_a_member() {
-        return;
-    }
-    let env = env_for_members();
-    owners_group_store(&env);
+    let Some(env) = owners_store() else { return };
     ok_as(
         &env,
         MEMBER,
@@ -1226,11 +1229,7 @@ fn a_member_kept_out_by_a_parts_group_is_told_the_group_and_whose_repair_fixes_i
 
 #[test]
 fn a_members_new_outside_images_directory_is_the_groups() {
-    if !can_act_as_a_member() {
-        return;
-    }
-    let env = env_for_members();
-    owners_group_store(&env);
+    let Some(env) = owners_store() else { return };
     // The member's directory, of the member's own group, not setgid; the member's umask strict.
     let parent = env.tmp.path().join("members");
     fs::create_dir(&parent).unwrap();
