@@ -106,9 +106,12 @@ fn holders_of_an_unlimited_class_count_against_a_limit_set_later() {
     env.wait_for_slot_waiters("z", 1);
     env.release("release-a");
     assert_eq!(a.finish().status.code(), Some(0));
-    // b still runs, the limit is 1: the waiter stays out.
+    // b still runs, the limit is 1: the waiter stays out (its tries of the freed file, each let
+    // go on reading the record, end first).
+    wait_until("the waiter's tries end", || {
+        env.slot_entry("z").unwrap()["in_use"] == 1
+    });
     for _ in 0..20 {
-        assert_eq!(env.slot_entry("z").unwrap()["in_use"], 1);
         assert!(
             !ran.exists(),
             "a holder from before the limit was not counted"
@@ -537,10 +540,12 @@ fn a_lowered_slot_limit_binds_queued_waiters() {
     env.release("release-a");
     assert_eq!(a.finish().status.code(), Some(0));
     // One slot is still in use (b keeps it), and the limit is 1 now: the
-    // waiter must stay out however often it is woken. Watch it a while.
+    // waiter must stay out however often it is woken. Watch it a while, once its tries of the
+    // freed file (each let go on reading the record) end.
+    wait_until("the waiter's tries end", || {
+        env.slot_entry("two").unwrap()["in_use"] == 1
+    });
     for _ in 0..20 {
-        let e = env.slot_entry("two").unwrap();
-        assert_eq!(e["in_use"], 1, "{e}");
         assert!(
             !env.sentinel("waiter-ran").exists(),
             "the lowered limit did not bind the waiter"
@@ -574,10 +579,13 @@ fn a_holder_of_a_removed_reserve_counts_against_the_limit() {
     env.wait_for_slot_waiters("c", 1);
     env.release("release-a");
     assert_eq!(a.finish().status.code(), Some(0));
+    // The waiter, woken by the close, tries the freed file a few times (each a moment's hold, let
+    // go on reading the record): two in use once its tries end.
+    wait_until("the waiter's tries end", || {
+        env.slot_entry("c").unwrap()["in_use"] == 2
+    });
     // Two run (b and the high holder), the limit is 2: the waiter stays out.
     for _ in 0..20 {
-        let e = env.slot_entry("c").unwrap();
-        assert_eq!(e["in_use"], 2, "{e}");
         assert!(
             !ran.exists(),
             "the removed reserve's holder was not counted"
