@@ -912,8 +912,6 @@ fn real_path(dir: &Path) -> io::Result<PathBuf> {
     }
 }
 
-/// "PATH is a symlink, not a directory; refusing to use it", and what to do, for the errors an
-/// `O_NOFOLLOW|O_DIRECTORY` open gives for what is planted in a directory's place.
 /// `e`, met doing `what` to `path`; a group store's directory that keeps a member out (`path`, or
 /// the directory it is in) named with why, and who fixes it.
 fn denied_in_store(path: &Path, e: io::Error, what: &str) -> anyhow::Error {
@@ -937,6 +935,8 @@ fn denied_in_store(path: &Path, e: io::Error, what: &str) -> anyhow::Error {
     }
 }
 
+/// "PATH is a symlink, not a directory; refusing to use it", and what to do, for the errors an
+/// `O_NOFOLLOW|O_DIRECTORY` open gives for what is planted in a directory's place.
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     if e.raw_os_error() == Some(libc::EACCES) {
         return denied_in_store(path, e, "open");
