@@ -125,6 +125,20 @@ fn holders_of_an_unlimited_class_count_against_a_limit_set_later() {
     assert!(ran.exists());
 }
 
+/// Holders of a slot of `class`, one per tag, each until sentinel `release-TAG`.
+fn slot_holders(env: &Env, class: &str, tags: &[&str]) -> Vec<(String, Bg)> {
+    let hold = |t: &&str| env.hold_until(&["--slot", class], t, &format!("release-{t}"));
+    tags.iter().map(|t| (t.to_string(), hold(t))).collect()
+}
+
+/// Lets each holder go and checks it ended well.
+fn release_all(env: &Env, held: impl IntoIterator<Item = (String, Bg)>) {
+    for (t, h) in held {
+        env.release(&format!("release-{t}"));
+        assert_eq!(code(&h.finish()), Some(0), "{t}");
+    }
+}
+
 fn holder(env: &Env, class: &str, priority: &str, tag: &str) -> Bg {
     env.hold(
         &["--slot", class, "--priority", priority],
@@ -609,10 +623,7 @@ fn a_holder_of_a_removed_reserve_counts_against_the_limit() {
 fn a_high_priority_newcomer_waits_while_holders_beyond_a_lowered_limit_fill_the_total() {
     let env = Env::new();
     env.ok(["slots", "set", "c", "3"]);
-    let held: Vec<Bg> = ["a", "b", "d"]
-        .iter()
-        .map(|t| env.hold_until(&["--slot", "c"], t, &format!("release-{t}")))
-        .collect();
+    let held = slot_holders(&env, "c", &["a", "b", "d"]);
     env.ok(["slots", "set", "c", "1", "--reserve-high", "2"]);
     let args = [
         "exec",
@@ -626,10 +637,7 @@ fn a_high_priority_newcomer_waits_while_holders_beyond_a_lowered_limit_fill_the_
     ];
     let out = env.run(args);
     assert_eq!(code(&out), Some(75), "{}", show(&out));
-    for (t, h) in ["a", "b", "d"].iter().zip(held) {
-        env.release(&format!("release-{t}"));
-        assert_eq!(h.finish().status.code(), Some(0));
-    }
+    release_all(&env, held);
     env.ok(args);
 }
 
@@ -683,17 +691,18 @@ fn holders_of_a_removed_class_count_against_the_class_set_again() {
         ])
     };
     env.ok(["slots", "set", "c", "1", "--reserve-high", "2"]);
-    let mut held = vec![env.hold_until(&["--slot", "c"], "a", "release-a")];
+    let mut held = slot_holders(&env, "c", &["a"]);
     for t in ["h1", "h2"] {
         let opts = ["--slot", "c", "--priority", "high"];
-        held.push(env.hold_until(&opts, t, &format!("release-{t}")));
+        held.push((t.into(), env.hold_until(&opts, t, &format!("release-{t}"))));
     }
     env.ok(["slots", "rm", "c"]);
     env.ok(["slots", "set", "c", "3"]);
     let out = newcomer("normal");
     assert_eq!(code(&out), Some(75), "{}", show(&out));
     assert_eq!(env.slot_entry("c").unwrap()["in_use"], 3);
-    env.release("release-a");
+    let mut held = held.into_iter();
+    release_all(&env, held.next());
     env.ok(["slots", "rm", "c"]);
     env.ok(["slots", "set", "c", "1", "--reserve-high", "1"]);
     // Two holders of reserved files: the total of 2 is reached.
@@ -701,10 +710,7 @@ fn holders_of_a_removed_class_count_against_the_class_set_again() {
         let out = newcomer(priority);
         assert_eq!(code(&out), Some(75), "{priority}: {}", show(&out));
     }
-    for (t, h) in ["a", "h1", "h2"].iter().zip(held) {
-        env.release(&format!("release-{t}"));
-        assert_eq!(h.finish().status.code(), Some(0));
-    }
+    release_all(&env, held);
     for priority in ["normal", "high"] {
         assert_eq!(code(&newcomer(priority)), Some(0));
     }
@@ -720,22 +726,14 @@ fn holders_of_a_removed_class_count_against_the_class_set_again() {
 fn a_slots_set_killed_after_its_write_still_counts_a_removed_class_holders() {
     let env = Env::new();
     env.ok(["slots", "set", "c", "3"]);
-    let held: Vec<Bg> = ["a", "b", "d"]
-        .iter()
-        .map(|t| env.hold_until(&["--slot", "c"], t, &format!("release-{t}")))
-        .collect();
+    let mut held = slot_holders(&env, "c", &["a", "b", "d"]).into_iter();
     env.ok(["slots", "rm", "c"]);
     let (set, _) = env.paused(["slots", "set", "c", "2"], "slots-written");
     set.kill_all();
-    let mut held = held.into_iter();
-    env.release("release-a");
-    assert_eq!(code(&held.next().unwrap().finish()), Some(0));
+    release_all(&env, held.next());
     let out = env.run(["exec", "--slot", "c", "--no-wait", "--", "true"]);
     assert_eq!(code(&out), Some(75), "{}", show(&out));
-    for (t, h) in ["b", "d"].iter().zip(held) {
-        env.release(&format!("release-{t}"));
-        assert_eq!(code(&h.finish()), Some(0));
-    }
+    release_all(&env, held);
 }
 
 /// Files in a class's directory with slot-like names that are no slot of
@@ -752,16 +750,10 @@ fn files_with_slot_like_names_that_are_no_slot_are_not_counted() {
         std::fs::write(dir.join(name), "").unwrap();
     }
     env.ok(["slots", "set", "c", "2"]);
-    let held: Vec<Bg> = ["a", "b"]
-        .iter()
-        .map(|t| env.hold_until(&["--slot", "c"], t, &format!("release-{t}")))
-        .collect();
+    let held = slot_holders(&env, "c", &["a", "b"]);
     let out = env.run(["exec", "--slot", "c", "--no-wait", "--", "true"]);
     assert_eq!(code(&out), Some(75), "{}", show(&out));
-    for (t, h) in ["a", "b"].iter().zip(held) {
-        env.release(&format!("release-{t}"));
-        assert_eq!(code(&h.finish()), Some(0));
-    }
+    release_all(&env, held);
 }
 
 #[test]
@@ -777,10 +769,7 @@ fn a_normal_waiter_is_not_told_of_the_reserved_slots_holders() {
     assert!(said.contains(&format!("pid {}", normal.pid())), "{said}");
     assert!(!said.contains(&format!("pid {}", high.pid())), "{said}");
     assert!(!said.contains("more"), "{said}");
-    for (t, h) in [("normal", normal), ("high", high)] {
-        env.release(&format!("release-{t}"));
-        assert_eq!(h.finish().status.code(), Some(0));
-    }
+    release_all(&env, [("normal".into(), normal), ("high".into(), high)]);
 }
 
 #[test]
