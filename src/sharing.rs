@@ -163,17 +163,14 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     let root_mount = crate::dir::Dir::open_nofollow(root.dir()).and_then(|d| d.mount_id());
     let root_mount = root_mount.ok().flatten();
     let on_root_mount = |mount, f: fs::File, dir: bool| {
+        let part = crate::dir::Dir::from(std::os::fd::OwnedFd::from(f));
         // Another filesystem mounted on a part's place (a bind mount on an image directory) is
         // not the store's: changing it would change what is mounted, outside the store.
-        if dir
-            && crate::dir::Dir::from(std::os::fd::OwnedFd::from(f.try_clone()?)).mount_id()?
-                != mount
-        {
-            return Err(io::Error::other(
-                "another filesystem is mounted there, not the store's",
-            ));
+        if dir && part.mount_id()? != mount {
+            let e = "another filesystem is mounted there, not the store's";
+            return Err(io::Error::other(e));
         }
-        fix_fd(f.as_fd(), dir, gid, 0)
+        fix_fd(part.as_fd(), dir, gid, 0)
     };
     let mut done = Repaired::default();
     for w in wrong {
