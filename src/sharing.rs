@@ -208,16 +208,18 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
 /// In a group store (group `gid`), gives its external images directory `images` (at `shown`) what
 /// its parts get where it lacks it: ours (or root's) to change, else refused naming who can.
 pub fn images_dir_to_group(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
+    if refuse_images_dir(images, shown, gid)? {
+        share_images_dir(images, shown, gid)?;
+    }
+    Ok(())
+}
+
+/// Refuses, naming who can repair it, a group store's external images directory that lacks what
+/// its parts get and is neither ours nor are we root; says whether it lacks it.
+pub fn refuse_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<bool> {
     let st = crate::dir::fstat(images.as_fd())?;
-    let group = group_label(gid);
-    let lacks = if st.st_gid != gid {
-        format!("lacks the store's group {group}")
-    } else if st.st_mode & DIR_BITS != DIR_BITS {
-        "is not setgid and group-writable".to_owned()
-    } else if has_default_acl(shown) {
-        "has a default ACL, which keeps what members make in it private".to_owned()
-    } else {
-        return Ok(());
+    let Some(lacks) = images_dir_lacks(&st, shown, gid) else {
+        return Ok(false);
     };
     let euid = nix::unistd::geteuid().as_raw();
     if euid != 0 && st.st_uid != euid {
@@ -227,7 +229,21 @@ pub fn images_dir_to_group(images: &crate::dir::Dir, shown: &Path, gid: u32) -> 
             "images directory {at} (mode {mode:o}, uid {uid}) {lacks}: its owner or root can run 'stowage init --images-dir {path}'"
         );
     }
-    share_images_dir(images, shown, gid)
+    Ok(true)
+}
+
+/// What a group store's (group `gid`) external images directory, of status `st`, lacks that its
+/// parts get, if anything.
+pub fn images_dir_lacks(st: &libc::stat, shown: &Path, gid: u32) -> Option<String> {
+    Some(if st.st_gid != gid {
+        format!("lacks the store's group {}", group_label(gid))
+    } else if st.st_mode & DIR_BITS != DIR_BITS {
+        "is not setgid and group-writable".to_owned()
+    } else if has_default_acl(shown) {
+        "has a default ACL, which keeps what members make in it private".to_owned()
+    } else {
+        return None;
+    })
 }
 
 /// Gives the file or directory behind `fd` group `gid`, the group store's bits and the mode bits

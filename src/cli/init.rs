@@ -551,6 +551,10 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         // claim, and of two inits racing for one directory only the claim's store uses it.
         config.images = ImagesDir::External(dir.to_owned());
         let images = crate::dir::Dir::open(dir)?;
+        // Refused before it is recorded: a member's refused switch leaves the store as it was.
+        if let Some((gid, _)) = sharing::is_group_store(root.dir()) {
+            sharing::refuse_images_dir(&images, dir, gid)?;
+        }
         let identity = images
             .identity()
             .context("cannot inspect the images directory");

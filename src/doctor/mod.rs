@@ -668,6 +668,33 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
     }
 }
 
+/// In a group store, whether its images directory outside the root (`images`, at `dir`, confirmed
+/// the store's) is its group's as its parts are; `repair` gives it what it lacks, if ours to change.
+fn outside_images_dir(
+    root: &Root,
+    (images, dir): (&Dir, &Path),
+    repair: bool,
+    report: &mut Report,
+) {
+    use crate::sharing;
+    let Some((gid, _)) = sharing::is_group_store(root.dir()) else {
+        return;
+    };
+    let lacks = crate::dir::fstat(std::os::fd::AsFd::as_fd(images))
+        .map(|st| sharing::images_dir_lacks(&st, dir, gid))
+        .with_context(|| format!("cannot inspect images directory {}", dir.display()));
+    let (shown, label) = (dir.display(), sharing::group_label(gid));
+    match lacks {
+        Ok(None) => {}
+        Err(e) => report.add("sharing", Problem, format!("{e:#}")),
+        Ok(Some(lacks)) if !repair => report.add("sharing", Problem, format!("images directory {shown} {lacks}: members cannot use what others make in it ('stowage doctor --repair' by its owner or root gives it group {label})")),
+        Ok(Some(_)) => match sharing::images_dir_to_group(images, dir, gid) {
+            Ok(()) => report.add("sharing", Repaired, format!("gave images directory {shown} group {label} and group write (setgid, no default ACL)")),
+            Err(e) => report.add("sharing", Problem, format!("{e:#}")),
+        },
+    }
+}
+
 /// Records vs trees: gone trees, trees without records, records naming another images directory.
 fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
@@ -682,6 +709,9 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     }
     let images = crate::images_dir::confirmed(&root, &dir, root.open_or_make_images_dir(&dir))?;
     claim(&root, &config, &images, repair, report);
+    if dir != root.default_images_dir() {
+        outside_images_dir(&root, (&images, &dir), repair, report);
+    }
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));

@@ -1360,7 +1360,56 @@ fn a_member_is_told_the_real_fault_of_a_part_that_keeps_it_out() {
         eprintln!("skipping the default ACL step: setfacl -d failed or is missing");
         return;
     }
+    let conf = env.root.join("store.conf");
+    let before = fs::read_to_string(&conf).unwrap();
     let out = as_member(&env, &["init", "--images-dir", ext.to_str().unwrap()]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(stderr(&out).contains("has a default ACL"), "{}", show(&out));
+    // Refused before anything is recorded: the store keeps its images directory.
+    assert_eq!(fs::read_to_string(&conf).unwrap(), before);
+    env.ok(["exec", "--write", "x", "--", "true"]);
+    assert!(env.root.join("img/x").is_dir());
+}
+
+/// A group store's images directory outside the root is one of its parts
+/// to doctor: a default ACL or another group on it is named, and a repair
+/// by root gives it what the parts get.
+#[test]
+fn doctor_names_and_repairs_a_group_stores_outside_images_directory() {
+    let Some(env) = group_store() else { return };
+    let ext = env.tmp.path().join("ext");
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    let acl = Command::new("setfacl")
+        .args(["-d", "-m", "g::rx"])
+        .arg(&ext)
+        .status();
+    if !acl.is_ok_and(|s| s.success()) {
+        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here)");
+        return;
+    }
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("has a default ACL"), "{}", show(&out));
+    std::os::unix::fs::chown(&ext, None, Some(0)).unwrap();
+    let out = env.run(["doctor"]);
+    assert!(
+        stdout(&out).contains("lacks the store's group"),
+        "{}",
+        show(&out)
+    );
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stdout(&out).contains("gave images directory"),
+        "{}",
+        show(&out)
+    );
+    let (mode, group) = mode_and_group(&ext);
+    assert_eq!((mode & 0o2070, group), (0o2070, GID), "{mode:o}");
+    let acl = Command::new("getfacl").args(["-d", "-c"]).arg(&ext).output();
+    let acl = String::from_utf8_lossy(&acl.unwrap().stdout).to_string();
+    assert!(acl.trim().is_empty(), "default ACL left: {acl}");
+    assert!(stdout(&env.ok(["doctor"])).contains("ok  sharing"));
+    let out = as_member(&env, &["exec", "--write", "x", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
