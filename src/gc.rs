@@ -229,9 +229,12 @@ impl Budget {
             let tree = || crate::images_dir::tree_of(store.root(), &r.record);
             let measured =
                 (fresh || shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
+            let kept = r.size.unwrap_or(0);
             let (own, shares) = match measured.and_then(Result::ok) {
+                // Seen in part (a directory we may not read): a size kept whole says more.
+                Some(m) if m.partial => (m.own().max(kept), m.shares),
                 Some(m) => (m.own(), m.shares),
-                None => (r.size.unwrap_or(0), Shares::default()),
+                None => (kept, Shares::default()),
             };
             cost.insert(r.name().to_owned(), Cost { own, shares });
         }

@@ -289,12 +289,50 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
         "its group may not search it".to_owned()
     } else if mode & 0o040 == 0 {
         "its group may not read it".to_owned()
+    } else if let Some(p) =
+        acl_group_perms(path, false).filter(|p| p & 6 != 6 || (dir && p & 1 == 0))
+    {
+        format!("its ACL gives its group only {}", rwx(p))
     } else {
         "it is not open to its group".to_owned()
     };
     Some(format!(
         "{cause}: its owner (uid {uid}) or root can run 'stowage doctor --repair'"
     ))
+}
+
+/// The extended attribute holding an access ACL.
+pub const ACCESS_ACL: &std::ffi::CStr = c"system.posix_acl_access";
+
+/// What the owning group may do (0o7: rwx) by the access ACL of `path` (of the file it names if
+/// `follow`), if it has one: the mode's group bits then show the ACL's mask, not the group's due.
+pub fn acl_group_perms(path: &Path, follow: bool) -> Option<u32> {
+    let c = cstr(path.as_os_str()).ok()?;
+    let get = if follow {
+        libc::getxattr
+    } else {
+        libc::lgetxattr
+    };
+    let mut buf = [0u8; 2048];
+    // SAFETY: a C string of ours and a buffer of the length given.
+    let n = unsafe {
+        get(
+            c.as_ptr(),
+            ACCESS_ACL.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    // A version, then entries of 8 bytes: tag and permissions (u16 each), id (u32).
+    let acl = buf.get(4..usize::try_from(n).ok()?)?;
+    let group = acl.chunks_exact(8).find(|e| e[..2] == 4u16.to_le_bytes())?;
+    Some(u32::from(u16::from_le_bytes([group[2], group[3]])) & 7)
+}
+
+/// "r-x" for 0o5.
+pub fn rwx(p: u32) -> String {
+    let bit = |b: u32, c: char| if p & b != 0 { c } else { '-' };
+    [bit(4, 'r'), bit(2, 'w'), bit(1, 'x')].iter().collect()
 }
 
 /// Fails unless `file` (opened from `path`) is a regular file: one `fstat`. Enough for a file that

@@ -37,6 +37,8 @@ pub struct Wrong {
     pub gid: u32,
     /// A directory with a default ACL, which overrides the umask of whoever makes a part in it.
     pub default_acl: bool,
+    /// What an access ACL lets the group do, where less than it needs (the mode shows its mask).
+    pub acl_group: Option<u32>,
 }
 
 impl Wrong {
@@ -49,7 +51,10 @@ impl Wrong {
         } else {
             ""
         };
-        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl})")
+        let access = (self.acl_group)
+            .map(|p| format!(", ACL gives the group {}", crate::planted::rwx(p)))
+            .unwrap_or_default();
+        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl}{access})")
     }
 }
 
@@ -109,19 +114,31 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
             let m = fs::symlink_metadata(root.dir().join(&rel))
                 .ok()
                 .filter(|m| m.is_dir() == dir)?;
-            let bits = if dir { DIR_BITS } else { FILE_BITS };
-            let default_acl = dir && has_default_acl(&root.dir().join(&rel));
+            let (bits, path) = (
+                if dir { DIR_BITS } else { FILE_BITS },
+                root.dir().join(&rel),
+            );
+            let default_acl = dir && has_default_acl(&path);
+            let acl_group =
+                crate::planted::acl_group_perms(&path, false).filter(|p| lacks(*p, dir));
             let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
-            (!fine).then(|| Wrong {
+            (!fine || acl_group.is_some()).then(|| Wrong {
                 rel,
                 dir,
                 mode: m.mode(),
                 uid: m.uid(),
                 gid: m.gid(),
                 default_acl,
+                acl_group,
             })
         })
         .collect()
+}
+
+/// Whether an ACL's permissions `p` for the group lack what a part needs (rw, and x on a directory).
+fn lacks(p: u32, dir: bool) -> bool {
+    let need = if dir { 7 } else { 6 };
+    p & need != need
 }
 
 /// The extended attribute holding a directory's default ACL.
@@ -164,10 +181,10 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     let root_mount = root_mount.ok().flatten();
     let on_root_mount = |mount, f: fs::File, dir: bool| {
         let part = crate::dir::Dir::from(std::os::fd::OwnedFd::from(f));
-        // Another filesystem mounted on a part's place (a bind mount on an image directory) is
-        // not the store's: changing it would change what is mounted, outside the store.
-        if dir && part.mount_id()? != mount {
-            let e = "another filesystem is mounted there, not the store's";
+        // Another filesystem mounted on a part's place or above it (a bind mount on an image
+        // directory, a lock file, the leases) is not the store's: a change would reach outside.
+        if part.mount_id()? != mount {
+            let e = "it is on another filesystem mounted in the store, not the store's";
             return Err(io::Error::other(e));
         }
         fix_fd(part.as_fd(), dir, gid, 0)
@@ -241,6 +258,12 @@ pub fn images_dir_lacks(st: &libc::stat, shown: &Path, gid: u32) -> Option<Strin
         "is not setgid and group-writable".to_owned()
     } else if has_default_acl(shown) {
         "has a default ACL, which keeps what members make in it private".to_owned()
+    } else if let Some(p) = crate::planted::acl_group_perms(shown, true).filter(|p| lacks(*p, true))
+    {
+        format!(
+            "has an ACL that gives its group only {}",
+            crate::planted::rwx(p)
+        )
     } else {
         return None;
     })
@@ -273,6 +296,15 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     }
     if dir && !by_path {
         drop_default_acl(fd)?;
+    }
+    // An access ACL shutting the group out goes: with none, the mode's group bits are the group's.
+    let proc = std::path::PathBuf::from(format!("/proc/self/fd/{raw}"));
+    if crate::planted::acl_group_perms(&proc, true).is_some_and(|p| lacks(p, dir)) {
+        let proc = crate::error::cstr(proc.as_os_str())?;
+        // SAFETY: a C string of ours naming our own descriptor's file, and a C string.
+        crate::error::cvt(unsafe {
+            libc::removexattr(proc.as_ptr(), crate::planted::ACCESS_ACL.as_ptr())
+        })?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).

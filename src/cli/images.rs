@@ -143,10 +143,11 @@ impl Sharing {
     fn exclusive(&self, r: &Image) -> Option<u64> {
         match &self.footprint {
             None => r.size,
-            Some(fp) => self
-                .by_image
-                .get(r.name())
-                .map(|m| m.own() + fp.unique(&m.shares)),
+            // Seen in part (a directory we may not read): a size kept whole says more.
+            Some(fp) => self.by_image.get(r.name()).map(|m| match m.partial {
+                true => (m.own() + fp.unique(&m.shares)).max(r.size.unwrap_or(0)),
+                false => m.own() + fp.unique(&m.shares),
+            }),
         }
     }
 

@@ -338,7 +338,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     }
     if !repair {
         let (n, parts) = (wrong.len(), sharing::list(&wrong, 4));
-        report.add("sharing", Problem, format!("group store (group {label}), but {n} part(s) are not group-writable with its group: {parts} ({doc})"));
+        report.add("sharing", Problem, format!("group store (group {label}), but {n} part(s) its members cannot use: {parts} ({doc})"));
         return;
     }
     let done = sharing::repair(root, gid, wrong);
