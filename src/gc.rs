@@ -124,9 +124,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let mut rows = crate::survey::survey(store, true)?;
     let config = crate::images_dir::config(store.root())?;
     let images_dir = config.images.path_in(store.root().dir());
-    if let Some(why) = crate::images_dir::unmounted(store.root(), &images_dir)
-        .or_else(|| crate::images_dir::not_ours(store.root(), &images_dir))
-    {
+    if let Some(why) = crate::images_dir::not_usable(store.root(), &images_dir) {
         report.failed.push(format!("no image removed: {why}"));
         return Ok(report);
     }

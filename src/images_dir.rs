@@ -471,6 +471,12 @@ pub fn accept_remade(
     Ok(true)
 }
 
+/// Why the trees in `dir` are not this store's to judge, measure or remove: [`unmounted`], or
+/// [`not_ours`].
+pub fn not_usable(root: &Root, dir: &Path) -> Option<String> {
+    unmounted(root, dir).or_else(|| not_ours(root, dir))
+}
+
 /// Why a tree missing from `dir` may be the images directory's fault rather than a deletion.
 pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     let images = match root.open_images_dir(dir) {

@@ -193,11 +193,7 @@ pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     };
     // What is mounted over it, or another store's, holds no tree of ours (asked only where a tree
     // is found: most listings find none).
-    if found.trees.is_empty()
-        || crate::images_dir::unmounted(root, &dir)
-            .or_else(|| crate::images_dir::not_ours(root, &dir))
-            .is_some()
-    {
+    if found.trees.is_empty() || crate::images_dir::not_usable(root, &dir).is_some() {
         return Vec::new();
     }
     let unlisted = found.trees.into_iter().filter_map(|(name, tree)| {
@@ -368,11 +364,17 @@ fn refresh(store: &mut crate::store::Store, images: &[Image]) -> Result<HashMap<
     })
 }
 
-/// Measures the trees whose size is not known for their record now.
+/// Measures the trees whose size is not known for their record now, in the images directory
+/// recorded only: what is mounted over it (a container's view), or another store's, holds none.
 fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u64)> {
+    let unknown =
+        |img: &Image| img.size.is_none() && !img.state.in_flight() && img.state != State::Deleting;
     let mut out = Vec::new();
+    if !images.iter().any(unknown) || images_dir_in_doubt(root) {
+        return out;
+    }
     for img in images.iter_mut() {
-        if img.size.is_some() || img.state.in_flight() || img.state == State::Deleting {
+        if !unknown(img) {
             continue;
         }
         if crate::signals::check().is_err() {
@@ -414,4 +416,10 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         }
     }
     out
+}
+
+/// Whether the images directory may not be the one whose trees the records describe.
+fn images_dir_in_doubt(root: &Root) -> bool {
+    let dir = crate::images_dir::config(root).map(|c| c.images.path_in(root.dir()));
+    dir.map_or(true, |d| crate::images_dir::not_usable(root, &d).is_some())
 }

@@ -700,9 +700,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
     let dir = config.images.path_in(root.dir());
-    if let Some(why) = crate::images_dir::unmounted(&root, &dir)
-        .or_else(|| crate::images_dir::not_ours(&root, &dir))
-    {
+    if let Some(why) = crate::images_dir::not_usable(&root, &dir) {
         let detail = format!("{why}; no record is judged by its tree");
         report.add("images", Problem, detail);
         return Ok(());

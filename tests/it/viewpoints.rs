@@ -866,3 +866,40 @@ fn a_second_view_of_the_root_leaves_its_claim_as_it_is() {
     let out = env.ok(["doctor", "--repair"]);
     assert!(!stdout(&out).contains("repaired"), "{}", show(&out));
 }
+
+/// A container with its own filesystem over `ROOT/img`, holding an empty
+/// tree under an image's name, lists the store before anyone measured the
+/// image: no size is kept from what it sees, so the host's budget still
+/// counts the image's real size (before: 0 B kept, and `gc --max-size`
+/// freed nothing).
+#[test]
+fn a_size_seen_through_another_directory_at_the_images_path_is_not_kept() {
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "big",
+        "--",
+        "sh",
+        "-c",
+        "head -c 3000000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/f\"",
+    ]);
+    let (img, r) = (env.root.join("img"), env.root.display());
+    let i = img.display();
+    let script = format!(
+        "mount -t tmpfs tmpfs '{i}' && mkdir '{i}/big' || exit 99
+         \"$0\" --root '{r}' images --json"
+    );
+    let Some(out) = in_mount_namespace(&script) else {
+        return;
+    };
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let size = env.image("big").unwrap()["size_bytes"].as_u64();
+    assert!(size >= Some(3_000_000), "{size:?}");
+    let out = env.ok(["gc", "--max-size", "1M", "--dry-run"]);
+    assert!(
+        stdout(&out).contains("would remove 'big'"),
+        "{}",
+        show(&out)
+    );
+}
