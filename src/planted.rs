@@ -29,6 +29,9 @@ use crate::error::{cstr, cvt};
 pub const FLAGS: libc::c_int =
     libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
 
+/// What to do of a symlink in `ROOT/img`'s place, which a repair leaves (its user's, perhaps).
+pub const IMG_LINK: &str = "stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root";
+
 /// What every refusal tells the user to do.
 pub const FIX: &str = "'stowage doctor --repair' sets it aside (renamed, never deleted)";
 

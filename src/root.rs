@@ -558,6 +558,12 @@ impl Root {
             let path = self.dir.join(rel);
             return Err(match (dir, planted::kind_of_mode(e.mode)) {
                 (true, Some("a directory")) | (false, None) => continue,
+                (true, Some("a symlink")) if rel == "img" => {
+                    let (at, fix) = (path.display(), planted::IMG_LINK);
+                    std::io::Error::other(format!(
+                        "{at} is a symlink, not a directory: refusing to use it; {fix}"
+                    ))
+                }
                 (true, kind) => planted::not_a_dir(&path, kind.unwrap_or("a regular file")),
                 (false, Some(kind)) => planted::not_a_file(&path, kind),
             }
@@ -950,7 +956,7 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     });
     // A link in the default images directory's place may be the user's own: it is left for them.
     let fix = if path.file_name().is_some_and(|n| n == "img") && kind == "a symlink" {
-        "to keep images elsewhere, use 'stowage init --images-dir DIR' on a new root"
+        planted::IMG_LINK
     } else {
         planted::FIX
     };

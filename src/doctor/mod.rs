@@ -382,9 +382,9 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             return fixed.is_ok();
         }
         let advice = if users_own {
-            " — stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root"
+            format!(" — {}", crate::planted::IMG_LINK)
         } else {
-            " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew"
+            " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew".to_owned()
         };
         report.add("layout", Problem, format!("{shown} is {bad}{target}{advice}"));
         false

@@ -1145,3 +1145,30 @@ fn adopted_images_count_as_used_at_their_adoption_not_at_their_trees_time() {
         }
     }
 }
+
+/// A symlink in `ROOT/img`'s place may be its user's own: no command
+/// sends the user to `doctor --repair`, which leaves it (before: `init`
+/// did, and the repair changed nothing, so init said it again).
+#[test]
+fn a_symlink_in_the_images_directorys_place_is_refused_with_advice_that_works() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let elsewhere = env.tmp.path().join("elsewhere");
+    fs::rename(env.root.join("img"), &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, env.root.join("img")).unwrap();
+    for args in [&["init"][..], &["exec", "--write", "x", "--", "true"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("init --images-dir"), "{err}");
+        assert!(!err.contains("doctor --repair"), "{err}");
+    }
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(elsewhere.is_dir());
+    assert!(
+        fs::symlink_metadata(env.root.join("img"))
+            .unwrap()
+            .is_symlink()
+    );
+}
