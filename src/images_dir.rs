@@ -324,14 +324,20 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
 }
 
 /// Gives our claim `c` the root's identity as this release tells it, where it was written with less
-/// (no filesystem UUID, asked where the fs id is the device number): its path stays as written.
+/// (no filesystem UUID, asked where the fs id is the device number), and the root's path where the
+/// path written leads to no directory of the root's identity (the root moved): kept otherwise, as
+/// another view's (a container's) path is as good.
 pub fn refresh_claim(images: &Dir, c: &Claim, mine: &Claim) {
-    if c.root.split('@').count() < mine.root.split('@').count() {
-        let fuller = Claim {
-            root: mine.root.clone(),
-            ..c.clone()
+    let fuller = c.root.split('@').count() < mine.root.split('@').count();
+    let there = Dir::open(&c.path).and_then(|d| d.identity());
+    let moved = !there.is_ok_and(|id| crate::dir::same_identity(&id, &mine.root));
+    if fuller || moved {
+        let refreshed = Claim {
+            id: c.id.clone(),
+            root: if fuller { &mine.root } else { &c.root }.clone(),
+            path: if moved { &mine.path } else { &c.path }.clone(),
         };
-        let _ = crate::claim::write(images, &fuller, false);
+        let _ = crate::claim::write(images, &refreshed, false);
     }
 }
 

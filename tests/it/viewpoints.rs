@@ -504,6 +504,13 @@ fn a_moved_store_keeps_its_images_directory() {
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
     assert!(!ext.join("old").exists());
+    // Its repair has the directory's claim name where it is now: another store is told the truth.
+    in_copy(&moved, &["doctor", "--repair"]);
+    let other = env.tmp.path().join("other");
+    let out = in_copy(&other, &["init", "--images-dir", ext.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = format!("belongs to the store at {}", moved.display());
+    assert!(stderr(&out).contains(&said), "{}", show(&out));
 }
 
 /// A copy of a store whose original is gone from its path cannot tell
