@@ -40,6 +40,8 @@ pub enum NameRule {
         crate::ident::printable(&.0.to_string())
     )]
     NotAllowed(char),
+    #[error("no image's tree is named with '{0}' (in tree names ':' is written '+', '/' '%')")]
+    NotEncoded(char),
 }
 
 /// A rejected name together with the rule it broke.
@@ -91,7 +93,7 @@ impl ImageName {
         if let Some(c) = enc.chars().find(|c| *c == '/' || *c == ':') {
             return Err(InvalidName {
                 name,
-                rule: NameRule::NotAllowed(c),
+                rule: NameRule::NotEncoded(c),
             });
         }
         Self::parse(&name)
@@ -194,6 +196,9 @@ mod tests {
         for enc in ["has space", ".hidden", "a:b", "%lead", "q%"] {
             assert!(ImageName::from_encoded(enc).is_err(), "{enc:?}");
         }
+        // Said as a tree's name, not as an image's (whose ':' is allowed).
+        let e = ImageName::from_encoded("a::b").unwrap_err();
+        assert_eq!(e.rule, NameRule::NotEncoded(':'));
     }
 
     #[test]
