@@ -97,6 +97,9 @@ pub struct Report {
     pub unknown: Vec<String>,
     /// Removed images whose emptied lock file could not be unlinked, one line each.
     pub lock_files_left: Vec<String>,
+    /// Nothing was measured (the images directory could not be judged): the sizes say nothing.
+    #[serde(skip)]
+    pub unmeasured: bool,
 }
 
 impl Report {
@@ -126,6 +129,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let images_dir = config.images.path_in(store.root().dir());
     if let Some(why) = crate::images_dir::not_usable(store.root(), &images_dir) {
         report.failed.push(format!("no image removed: {why}"));
+        report.unmeasured = true;
         return Ok(report);
     }
     // Kept and reported, but counted: they take room in the images directory.

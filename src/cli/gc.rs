@@ -100,12 +100,18 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
         Some(m) => format!(" (budget {})", disk_usage::human(m)),
         None => String::new(),
     };
-    line(format!(
-        "{} {}; images {} {}{budget}",
+    let freed = format!(
+        "{} {}",
         if dry_run { "would free" } else { "freed" },
-        disk_usage::human(report.bytes_freed),
-        if dry_run { "would use" } else { "now use" },
-        disk_usage::human(report.size_after)
-    ));
+        disk_usage::human(report.bytes_freed)
+    );
+    line(match report.unmeasured {
+        true => freed,
+        false => format!(
+            "{freed}; images {} {}{budget}",
+            if dry_run { "would use" } else { "now use" },
+            disk_usage::human(report.size_after)
+        ),
+    });
     lines.iter().map(|l| format!("{l}\n")).collect()
 }
