@@ -86,15 +86,22 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
             let written = crate::planted::check_dated(std::path::Path::new(&file), &f)?;
             Ok((f, written))
         });
-        let (seen, written) = match opened {
+        let ours = |s: Seen| s.of(|n| crate::root::is_lock_file_of(&file, n));
+        let (seen, writer_alive, written) = match opened {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) if crate::planted::find(&e).is_some() => continue,
-            Err(_) => (unread, None),
-            Ok((f, written)) => (image_record::read(&f).unwrap_or(unread), written),
+            Err(_) => (unread, false, None),
+            Ok((f, written)) => {
+                let seen = ours(image_record::read(&f).unwrap_or(unread));
+                let read = || image_record::read(&f).ok().map(ours);
+                let probe = || {
+                    crate::lock::look(&path, root.lock_queries())
+                        .is_ok_and(|p| p == Probe::Exclusive)
+                };
+                let (seen, alive) = writer_judged(seen, read, probe);
+                (seen, alive, written)
+            }
         };
-        let seen = seen.of(|n| crate::root::is_lock_file_of(&file, n));
-        let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
-            && crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive);
         out.push(Entry {
             file,
             path,
@@ -105,4 +112,32 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
     }
     out.sort_by(|a, b| a.file.cmp(&b.file));
     Ok(out)
+}
+
+/// A record read without its lock, with whether its writer, if it is in flight, still holds the
+/// lock (`probe`: held exclusively now). A writer may finish between the read and the probe: its
+/// lock found free then says nothing of the record read before, so the record is read again after
+/// the probe and judged by that; only one unchanged across a probe that found its lock free is a
+/// dead writer's. A shared holder (a reader, a size being measured) is no writer.
+pub fn writer_judged(
+    mut seen: Seen,
+    read: impl Fn() -> Option<Seen>,
+    probe: impl Fn() -> bool,
+) -> (Seen, bool) {
+    let fingerprint = |s: &Seen| s.record.as_ref().map(image_record::Record::fingerprint);
+    // Each round a writer that began after the last read: a few, then the record stands as read.
+    for _ in 0..3 {
+        if !seen.record.as_ref().is_some_and(|r| r.state.in_flight()) {
+            return (seen, false);
+        }
+        crate::debug::pause("census-record-read");
+        if probe() {
+            return (seen, true);
+        }
+        match read() {
+            Some(again) if fingerprint(&again) != fingerprint(&seen) => seen = again,
+            _ => break,
+        }
+    }
+    (seen, false)
 }

@@ -242,6 +242,20 @@ pub fn nothing_at(path: &Path) -> bool {
     matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
 }
 
+/// Whether the tree `encoded` is in the images directory at `dir` now, by the filesystem's own word
+/// (`None`: it cannot be told). Where not local a client answers a lookup from its caches for a
+/// while (GlusterFS, NFS): a tree another host moved to the trash a moment ago is still found, by
+/// `lstat` and by an `openat` alike (the moved directory lives on). A listing through a descriptor
+/// opened now is asked of the server, so there it is the evidence; locally one `lstat` is.
+pub fn tree_there(dir: &Path, encoded: &str) -> Option<bool> {
+    let images = Dir::open_nofollow(dir).ok()?;
+    if crate::filesystem::filesystem(dir).is_ok_and(|f| f.local) {
+        return images.stat_at(encoded).ok().map(|e| e.is_some());
+    }
+    let names = images.names().ok()?;
+    Some(names.iter().any(|n| n.as_os_str() == encoded))
+}
+
 /// The tree a record describes, for reading and measuring only.
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     let dir = r.images.path_in(root.dir());

@@ -246,7 +246,7 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
     // Locks held that no lease lists yet are looked at again together, once their holders have
     // had their moment to list them: one wait, not one a lock.
     let deferring = look.deferring(true);
-    let mut reports: Vec<(String, Option<String>, LockReport)> = files
+    let mut reports: Vec<(String, Option<String>, (LockReport, bool))> = files
         .into_iter()
         .map(|(file, asked)| {
             let r = image_report(look, root, &file, asked.clone());
@@ -254,18 +254,20 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
         })
         .collect();
     let unlisted = |r: &LockReport| deferring && r.holders.iter().any(|p| p.lease.is_none());
-    if reports.iter().any(|(_, _, r)| unlisted(r)) {
+    if reports.iter().any(|(_, _, (r, _))| unlisted(r)) {
         look.wait_for_listing();
-        for (file, asked, r) in reports.iter_mut().filter(|(_, _, r)| unlisted(r)) {
+        for (file, asked, r) in reports.iter_mut().filter(|(_, _, (r, _))| unlisted(r)) {
             *r = image_report(look, root, file, asked.clone());
         }
     }
     look.deferring(false);
     let mut images = Vec::new();
     // A file asked for is a named image's: shown whatever its state.
-    for (_, asked, r) in reports {
+    for (_, asked, (r, recorded)) in reports {
         let busy = r.state != Probe::Free || !r.waiters.is_empty();
-        if sel.all || asked.is_some() || (busy && sel.names.is_empty()) {
+        // Every image with --all: not a free lock file whose record its image's removal emptied
+        // (kept where lock files are never unlinked), which names none.
+        if (sel.all && (busy || recorded)) || asked.is_some() || (busy && sel.names.is_empty()) {
             images.push(r);
         }
     }
@@ -273,15 +275,16 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
     images
 }
 
-/// An image lock file's report, named by its record, else as asked, else by its decoded file name.
-fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> LockReport {
+/// An image lock file's report, named by its record, else as asked, else by its decoded file name;
+/// with whether the file holds a record (readable or not).
+fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> (LockReport, bool) {
     let path = root.image_locks().join(file);
-    let seen = crate::lock::open_existing_read(&path)
-        .ok()
-        .flatten()
-        .and_then(|f| crate::image_record::read(&f).ok())
-        .unwrap_or_default()
-        .of(|n| crate::root::is_lock_file_of(file, n));
+    let opened = crate::lock::open_existing_read(&path).ok().flatten();
+    let read = || {
+        let seen = crate::image_record::read(opened.as_ref()?).ok()?;
+        Some(seen.of(|n| crate::root::is_lock_file_of(file, n)))
+    };
+    let seen = read().unwrap_or_default();
     let name = seen
         .record
         .as_ref()
@@ -290,11 +293,17 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
         .or_else(|| Root::image_of_lock_file(file).map(|n| n.as_str().to_owned()))
         .unwrap_or_else(|| file.to_owned());
     let mut r = look.report(LockKind::Image, &name, &path);
-    r.image_state = seen
-        .record
-        .as_ref()
-        .map(|rec| rec.state_seen(r.state == Probe::Exclusive));
-    r
+    // The record was read before the lock was looked at: a writer that finished between the two
+    // left it free, and a later record, read again (a fresh probe for any writer after it).
+    let first = std::cell::Cell::new(Some(r.state == Probe::Exclusive));
+    let probe = || {
+        first.take().unwrap_or_else(|| {
+            crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive)
+        })
+    };
+    let (seen, alive) = crate::census::writer_judged(seen, read, probe);
+    r.image_state = seen.record.as_ref().map(|rec| rec.state_seen(alive));
+    (r, !seen.unrecorded())
 }
 
 /// Image lock files someone holds that no lease explains (flock(1) in a script), by inode in the

@@ -712,11 +712,16 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     }
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");
-    let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
+    // Records whose trees are all there is of them: with none listed, the directory is in doubt.
+    let stand = |e: &crate::census::Entry| {
+        (e.seen.record.as_ref())
+            .is_some_and(|r| stands_for_its_tree(r, r.state_seen(e.writer_alive)))
+    };
     let listed = images.names();
     let listed =
         listed.with_context(|| format!("cannot list images directory {}", dir.display()))?;
-    if ready && listed.is_empty() {
+    let listed: HashSet<_> = listed.into_iter().collect();
+    if listed.is_empty() && entries.iter().any(stand) {
         report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
     }
@@ -738,11 +743,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        let there = images.stat_at(n.encoded());
-        let there = there
-            .with_context(|| format!("cannot look at {}", dir.join(n.encoded()).display()))?
-            .is_some();
-        if !there && r.state_seen(e.writer_alive) == State::Ready {
+        // By the listing, asked of the filesystem now: a client's cached lookup may miss a tree
+        // another host made a moment ago.
+        let there = listed.contains(std::ffi::OsStr::new(n.encoded()));
+        if !there && stand(e) {
             gone.push(n);
         }
     }
@@ -751,6 +755,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     }
     missing_trees(store.ctx(), &gone, repair, report);
     let mut orphans = adopt::orphans(&images, &dir, &named, false)?;
+    crate::debug::pause("doctor-orphans-found");
     // An image created since the records were read: its record came before its tree.
     orphans
         .trees
@@ -810,7 +815,14 @@ fn orphan_trees(
     Ok(())
 }
 
-/// Ready records whose trees are gone (deleted by hand): the image is gone.
+/// Whether a record in `state` says no more than its tree does, so that tree gone, the image is:
+/// a ready one's, or one adopted without a record (the tree was all there was of it; adopted from
+/// a lookup a client's cache answered, it would stay forever). A failed writer's may have no tree.
+fn stands_for_its_tree(r: &Record, state: State) -> bool {
+    state == State::Ready || (state == State::Incomplete && r.outcome.as_deref() == Some(ADOPTED))
+}
+
+/// Ready or adopted records whose trees are gone (deleted by hand): the image is gone.
 fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Report) {
     if !repair {
         let (have, them) = match gone.len() {
@@ -838,10 +850,11 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
             }
             Taken::Gone => continue,
         };
+        // Gone by the filesystem's own word (not a lookup a client answers from its caches).
         let still = h.seen.record.as_ref().is_some_and(|r| {
-            r.state == State::Ready
+            stands_for_its_tree(r, r.state)
                 && crate::images_dir::of_record(root, r)
-                    .is_ok_and(|d| !d.join(n.encoded()).exists())
+                    .is_ok_and(|d| crate::images_dir::tree_there(&d, n.encoded()) == Some(false))
         });
         if still && root.drop_record(n, h.guard).is_ok() {
             dropped.push(n.as_str().to_owned());

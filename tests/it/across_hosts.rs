@@ -1368,3 +1368,40 @@ fn a_mount_that_does_not_answer_in_the_images_directory_stops_no_look() {
     }
     drop(client);
 }
+
+/// A repair that found a tree without a record, then took its lock after
+/// another host removed the image (its tree moved to the trash, its record
+/// emptied), adopts nothing: this host's client still answers a lookup of
+/// the tree from its cache for a while, but the listing asked under the
+/// lock says it is gone. No phantom "incomplete" image is left behind.
+#[test]
+fn a_repair_never_adopts_a_tree_another_host_removed_a_moment_before() {
+    let Some(c) = Cluster::start("adoptcache", 2) else {
+        return;
+    };
+    let (root, a, b) = (c.root(), c.host(0), c.host(1));
+    let env = Env::new();
+    ok(a.stowage_run(&root, ["exec", "--write", "x", "--", "true"]));
+    ok(a.stowage_run(&root, ["rm", "x"]));
+    let (read, found) = (env.sentinel("records-read"), env.sentinel("orphans"));
+    let mut repair = b.stowage(&root, ["doctor", "--repair"]);
+    let points = format!(
+        "doctor-records-read:{},doctor-orphans-found:{}",
+        read.display(),
+        found.display()
+    );
+    repair.env(stowage::env::DEBUG_PAUSE, points);
+    let repair = Bg::from_command(repair);
+    // Made after the repair read the records, so its tree is found without one; removed once
+    // the repair has listed (and looked up) it.
+    wait_for_file(&read);
+    ok(a.stowage_run(&root, ["exec", "--write", "x", "--", "true"]));
+    fs::remove_file(&read).unwrap();
+    wait_for_file(&found);
+    ok(a.stowage_run(&root, ["rm", "x"]));
+    fs::remove_file(&found).unwrap();
+    let out = repair.finish();
+    assert!(!stdout(&out).contains("adopted"), "{}", show(&out));
+    assert_eq!(image_state(a, &root, "x"), None);
+    assert_eq!(image_state(b, &root, "x"), None);
+}

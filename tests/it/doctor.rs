@@ -196,6 +196,39 @@ fn a_tree_without_a_record_is_adopted_and_never_collected() {
     assert_eq!(env.run(["doctor"]).status.code(), Some(0));
 }
 
+/// A tree adopted without a record was all there was of its image: once
+/// it is gone (deleted by hand, or adopted from a client's stale lookup
+/// after another host removed it), a repair drops the record rather than
+/// keep an unreadable "incomplete" image forever.
+#[test]
+fn an_adopted_image_whose_tree_is_gone_has_its_record_dropped_by_repair() {
+    let env = Env::new();
+    // Another image's tree: an images directory found empty would prove nothing.
+    env.make_image("kept");
+    env.make_image("stray");
+    fs::remove_file(env.lock_file("stray")).unwrap();
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("stray").as_deref(), Some("incomplete"));
+    fs::remove_dir_all(env.root.join("img/stray")).unwrap();
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("but no tree"), "{}", show(&out));
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(
+        stdout(&out).contains("dropped the records of"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("stray"), None);
+    assert_eq!(env.run(["doctor"]).status.code(), Some(0));
+    // One whose writer failed may have no tree: gc's to remove, not doctor's.
+    let out = env.run(["exec", "--write", "failed", "--", "false"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let _ = fs::remove_dir_all(env.root.join("img/failed"));
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("failed").as_deref(), Some("incomplete"));
+}
+
 /// An image created while doctor (or a repair) runs, between its reading
 /// of the records and its listing of the trees: its tree is no orphan (its
 /// creator wrote the record first and holds the lock), so doctor reports

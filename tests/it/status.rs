@@ -182,6 +182,73 @@ fn all_lists_every_image_and_names_select() {
     assert_eq!(names(&["b"]), ["global", "b"]);
 }
 
+/// A removal's emptied lock file, kept where lock files are never unlinked
+/// (here NFS, by the hidden hook), names no image: `lock-status --all`
+/// lists the images there are, not the ones removed, in JSON and in text.
+#[test]
+fn lock_status_all_lists_no_image_removed_where_lock_files_are_kept() {
+    let env = Env::new();
+    let nfs = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        out
+    };
+    env.make_image("kept");
+    for n in ["gone1", "gone2"] {
+        nfs(&["exec", "--write", n, "--", "true"]);
+        nfs(&["rm", n]);
+        assert!(env.lock_file(n).exists(), "{n}'s lock file is kept");
+    }
+    let out = nfs(&["lock-status", "--all", "--json"]);
+    let st: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let locks = st["locks"].as_array().unwrap().iter();
+    let names: Vec<&str> = locks.filter_map(|l| l["name"].as_str()).collect();
+    assert_eq!(names, ["global", "kept"]);
+    let text = stdout(&nfs(&["lock-status", "--all"]));
+    assert!(text.contains("kept") && !text.contains("gone"), "{text}");
+    // Named, one still says it does not exist.
+    let mut c = env.cmd(["lock-status", "gone1"]);
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    assert_eq!(code(&output(c)), Some(66));
+}
+
+/// A writer may finish between a listing's read of its record (`writing`)
+/// and its look at the lock (then free): the record is read again, so
+/// `images` and `lock-status` show the image ready, never incomplete.
+#[test]
+fn an_image_whose_writer_finishes_while_it_is_listed_is_never_shown_incomplete() {
+    let env = Env::new();
+    env.make_image("y");
+    let listings: [&[&str]; 2] = [&["images", "--json"], &["lock-status", "--all", "--json"]];
+    for (i, args) in listings.iter().enumerate() {
+        let (started, release) = (format!("started{i}"), format!("release{i}"));
+        let writer = env.hold_until(&["--write", "y"], &started, &release);
+        let (lister, go_on) = env.paused(*args, "census-record-read");
+        fs::write(env.sentinel(&release), "").unwrap();
+        assert_eq!(code(&writer.finish()), Some(0));
+        fs::remove_file(&go_on).unwrap();
+        let out = lister.finish();
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let state = match i {
+            0 => v
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == "y")
+                .unwrap()["state"]
+                .clone(),
+            _ => (v["locks"].as_array().unwrap().iter())
+                .find(|l| l["name"] == "y")
+                .unwrap()["image_state"]
+                .clone(),
+        };
+        assert_eq!(state, "ready", "{}", show(&out));
+    }
+}
+
 /// An interval of 0 or less is refused (64) in the same words, which say
 /// what is accepted.
 #[test]
