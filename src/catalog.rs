@@ -272,7 +272,7 @@ pub fn inspect_file(db: &Path, root: &Root) -> Result<Found> {
 pub fn unreadable(db: &Path) -> Option<std::io::Error> {
     let mut file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .custom_flags(crate::planted::FLAGS)
         .open(db)
         .ok()?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {

@@ -449,8 +449,9 @@ pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<boo
     })
 }
 
-/// The file's first [`AREA`] bytes, or all it has.
-fn read_area(file: &File) -> io::Result<Vec<u8>> {
+/// The file's first [`AREA`] bytes, or all it has: never more, whatever the file is (a huge file
+/// or a device costs one buffer).
+pub fn read_area(file: &File) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
     while got < buf.len() {

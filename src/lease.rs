@@ -557,7 +557,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     // a huge file: only a regular file is read, never waited on, and at most an identity's worth.
     let file = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .custom_flags(crate::planted::FLAGS)
         .open(leases.join(name))
         .ok()?;
     let meta = file.metadata().ok()?;

@@ -25,6 +25,7 @@ use anyhow::{Context, Result};
 use crate::catalog::{Found, Legacy};
 use crate::clock::Millis;
 use crate::config::Config;
+use crate::dir::Dir;
 use crate::holders::LockKind;
 use crate::image_record::{self, ImagesDir, LEGACY_PREFIX, Record, State};
 use crate::lock::{self, Mode};
@@ -32,6 +33,9 @@ use crate::name::ImageName;
 use crate::root::Root;
 use crate::slot_limits::Kind;
 use crate::store::{Store, sqlite_error};
+
+/// Where the older release's token is: the first bytes of an image's lock file (its slot A).
+const TOKEN_AREA: usize = 3072;
 
 /// Whether the store is one to migrate: no configuration yet, and an older release's catalog.
 pub fn is_legacy(root: &Root) -> bool {
@@ -247,16 +251,15 @@ impl Old {
     /// slot classes its slot files repeat; the images directory its tokens name.
     fn from_tokens(root: &Root) -> Old {
         let mut images = None;
+        let locks = Dir::open_in_root(&root.image_locks()).ok();
         for file in image_lock_files(root) {
             let Some(name) = Root::image_of_lock_file(&file) else {
                 continue;
             };
-            let Ok(Some(f)) = lock::open_existing(&root.image_locks().join(&file)) else {
+            let Some(bytes) = locks.as_ref().and_then(|d| read_old_file(d, &file)) else {
                 continue;
             };
-            let mut bytes = vec![0u8; 3072];
-            let got = f.read_at(&mut bytes, 0).unwrap_or(0);
-            if let Some(t) = Token::of(&bytes[..got], name.as_str()) {
+            if let Some(t) = Token::of(token_area(&bytes), name.as_str()) {
                 images = images.or(t.images);
             }
         }
@@ -281,16 +284,41 @@ fn markers(root: &Root) -> BTreeSet<String> {
         .collect()
 }
 
+/// The first bytes of the file `name` in `dir` (a directory of the layout), as much as a record
+/// reader reads: anything planted there (a FIFO, a link to `/dev/zero`, a huge file) is refused
+/// without waiting, or costs one buffer, never hanging a migration under the store-wide hold.
+fn read_old_file(dir: &Dir, name: &str) -> Option<Vec<u8>> {
+    let file = dir.open_read(name).ok()?;
+    image_record::read_area(&file).ok()
+}
+
+/// The part of a lock file's first bytes that may hold the older release's token.
+fn token_area(bytes: &[u8]) -> &[u8] {
+    &bytes[..bytes.len().min(TOKEN_AREA)]
+}
+
+/// The entries of `dir` whose names are text.
+fn names(dir: &Dir) -> Vec<String> {
+    let names = dir.names().unwrap_or_default().into_iter();
+    names.filter_map(|n| n.into_string().ok()).collect()
+}
+
 /// The slot classes the older release's slot files state (`stowage-slot 2`: class, limit,
 /// reserve), each class once.
 fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
-    let slots = root.locks().join("slots");
+    let Ok(slots) = Dir::open_in_root(&root.slot_locks()) else {
+        return Vec::new();
+    };
     let mut classes = Vec::new();
-    for dir in crate::root::names_in(&slots) {
-        let mut files = crate::root::names_in(&slots.join(&dir));
+    for dir in names(&slots) {
+        // Never through a link, nor into anything but a directory.
+        let Ok(class) = slots.sub(&dir) else {
+            continue;
+        };
+        let mut files = names(&class);
         files.sort();
         let stated = files.iter().find_map(|f| {
-            let bytes = std::fs::read(slots.join(&dir).join(f)).ok()?;
+            let bytes = read_old_file(&class, f)?;
             let body = image_record::checked_body(&bytes)?;
             let body = body.strip_prefix("stowage-slot ")?;
             let field = |k| field(body, k);
@@ -329,7 +357,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
         };
         let seen = image_record::read(guard.file())
             .with_context(|| format!("cannot read the lock file of image '{name}'"))?;
-        let mut bytes = vec![0u8; 3072];
+        let mut bytes = vec![0u8; TOKEN_AREA];
         let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
         let token = Token::of(&bytes[..got], &name);
         // Its catalog lost since an earlier pass wrote this record from its row: the record knows
@@ -475,14 +503,18 @@ pub fn records_from_tokens(root: &Root) -> BTreeMap<String, Record> {
     let old = Old::from_tokens(root);
     let dir = old.images.path_in(root.dir());
     let mut records = BTreeMap::new();
+    let Ok(locks) = Dir::open_in_root(&root.image_locks()) else {
+        return records;
+    };
     for file in image_lock_files(root) {
         let Some(name) = Root::image_of_lock_file(&file) else {
             continue;
         };
-        let Ok(bytes) = std::fs::read(root.image_locks().join(&file)) else {
+        // A listing beside a busy catalog: what is planted among the lock files is left out.
+        let Some(bytes) = read_old_file(&locks, &file) else {
             continue;
         };
-        let token = Token::of(&bytes[..bytes.len().min(3072)], name.as_str());
+        let token = Token::of(token_area(&bytes), name.as_str());
         let seen = image_record::Seen::parse(&bytes);
         let record = match (&token, seen.record) {
             (t, Some(r)) if t.as_ref().is_none_or(|t| t.disabled) => Some(r),

@@ -580,19 +580,20 @@ impl Root {
     /// store of this release makes no store of that one).
     pub fn older_release_left(&self) -> bool {
         use crate::image_record::SlotA;
-        use std::os::unix::fs::OpenOptionsExt;
         if self.older_release_catalog_id().is_some() {
             return true;
         }
-        let (mut token, locks) = (false, self.image_locks());
-        for name in names_in(&locks) {
-            if !name.ends_with(".lock") {
+        let Ok(locks) = Dir::open_in_root(&self.image_locks()) else {
+            return false;
+        };
+        let mut token = false;
+        for name in locks.names().unwrap_or_default() {
+            if !name.to_str().is_some_and(|n| n.ends_with(".lock")) {
                 continue;
             }
-            let opened = fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-                .open(locks.join(&name));
+            // Through the directory's descriptor, never waiting: a FIFO or a directory planted
+            // there reads as nothing (no `pread` of either succeeds).
+            let opened = locks.open_read_unchecked(&name);
             let Ok(Ok((seen, a))) = opened.as_ref().map(crate::image_record::read_with_slot_a)
             else {
                 continue;

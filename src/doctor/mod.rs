@@ -124,14 +124,9 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
 }
 
 /// What the probe file says, read only from a regular file (a FIFO planted there and held would
-/// block a plain read for good).
+/// block a plain read for good), never through a link on the way.
 fn probe_text(path: &Path) -> Option<String> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(crate::planted::FLAGS)
-        .open(path)
-        .ok()?;
+    let file = crate::planted::open(path, libc::O_RDONLY, 0).ok()?;
     crate::planted::check(path, &file).ok()?;
     let mut text = String::new();
     std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;

@@ -549,6 +549,40 @@ pub fn output(mut c: Command) -> Output {
 
 /// Waits for a child, killing its group and failing if it takes too long.
 pub fn wait_output(mut child: Child, limit: Duration) -> Output {
+    wait_reaping(&mut child, limit, |c| c.try_wait().unwrap())
+}
+
+/// Runs a command to completion within [`PATIENCE`], as [`output`] does,
+/// with the most memory it held at once (KiB resident, as the kernel
+/// counted it for that process alone).
+pub fn output_and_peak(mut c: Command) -> (Output, u64) {
+    use std::os::unix::process::ExitStatusExt;
+    c.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = c.spawn().expect("spawn");
+    let mut peak = 0;
+    let out = wait_reaping(&mut child, PATIENCE, |c| {
+        let (mut status, pid) = (0, c.id() as i32);
+        // SAFETY: all-zero bytes are a valid rusage, filled by wait4.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: our own child, and out-pointers of ours.
+        let reaped = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        (reaped == pid).then(|| {
+            peak = usage.ru_maxrss as u64;
+            std::process::ExitStatus::from_raw(status)
+        })
+    });
+    (out, peak)
+}
+
+/// Waits for `child` until `reap` gives its status, killing its group
+/// and failing after `limit`.
+fn wait_reaping(
+    child: &mut Child,
+    limit: Duration,
+    mut reap: impl FnMut(&mut Child) -> Option<std::process::ExitStatus>,
+) -> Output {
     let deadline = Instant::now() + limit;
     // Drain pipes in threads so a chatty child never blocks on a full pipe.
     let out = child.stdout.take().map(|mut s| {
@@ -566,7 +600,7 @@ pub fn wait_output(mut child: Child, limit: Duration) -> Output {
         })
     });
     let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
+        if let Some(st) = reap(child) {
             break st;
         }
         if Instant::now() > deadline {

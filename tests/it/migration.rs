@@ -8,7 +8,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 use serde_json::Value;
 
@@ -1118,4 +1118,95 @@ fn an_old_image_without_a_known_last_use_counts_as_used_at_its_migration() {
         show(&out)
     );
     assert!(env.root.join("img/rowless").is_dir(), "{}", show(&out));
+}
+
+/// What is planted where a migration reads a file of the older release's:
+/// a FIFO (its open waited for a writer for good), or a symlink to
+/// `/dev/zero` (read whole into memory, without end).
+const PLANTS: [Plant; 2] = [Plant::Fifo, Plant::Symlink];
+
+/// The most memory a command may hold at once here (KiB resident): reading
+/// `/dev/zero` whole took 2 GiB, a bounded read a few KiB.
+const PEAK_KIB: u64 = 128 << 10;
+
+/// `args` run on `env` (the catalog's busy wait shortened), with at most
+/// 1 GiB of address space, so that a read without end stops there
+/// instead of filling the machine; failing if it held more than
+/// [`PEAK_KIB`] at once.
+fn run_capped(env: &Env, args: &[&str]) -> Output {
+    let mut c = env.cmd(args);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+    // SAFETY: only setrlimit(2) between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 1 << 30,
+                rlim_max: 1 << 30,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let (out, peak) = output_and_peak(c);
+    assert!(peak < PEAK_KIB, "{args:?} held {peak} KiB: {}", show(&out));
+    out
+}
+
+/// A store to migrate with its catalog lost, and a FIFO or a symlink to
+/// `/dev/zero` as the slot file of a class: the migration, which reads
+/// the older release's slot files for their classes, refuses it without
+/// waiting and finishes (it hung under the store-wide hold, every other
+/// command waiting behind it, or read `/dev/zero` until memory ran out).
+#[test]
+fn a_planted_slot_file_neither_hangs_a_migration_nor_is_read_whole() {
+    for plant in PLANTS {
+        let env = old_store();
+        fs::remove_file(env.root.join("stowage.db")).unwrap();
+        let class = env.root.join("locks/slots/planted");
+        fs::create_dir(&class).unwrap();
+        plant.at(&class.join("0.lock"), Path::new("/dev/zero"));
+        let out = run_capped(&env, &["images"]);
+        assert_eq!(code(&out), Some(0), "{}: {}", plant.word(), show(&out));
+        assert!(stderr(&out).contains("migrating"), "{}", show(&out));
+        assert_eq!(states(&env), expected_from_tokens(), "{}", plant.word());
+        assert_pull_limit_kept(&env, plant.word());
+        let out = run_capped(&env, &["exec", "--write", "new", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{}: {}", plant.word(), show(&out));
+    }
+}
+
+/// The older catalog held by an outside program, and a FIFO or a symlink
+/// to `/dev/zero` among the image lock files: the listing from the lock
+/// files leaves it out without waiting on it or reading it whole (it hung
+/// after saying "listed from the older release's lock files").
+#[test]
+fn a_listing_from_the_lock_files_neither_hangs_on_a_planted_one_nor_reads_it_whole() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    for plant in PLANTS {
+        let env = old_store();
+        let holder = hold_catalog(&env);
+        plant.at(&env.lock_file("zz"), Path::new("/dev/zero"));
+        let out = run_capped(&env, &["images", "--json"]);
+        holder.kill_all();
+        assert_eq!(code(&out), Some(0), "{}: {}", plant.word(), show(&out));
+        assert!(
+            stderr(&out).contains("listed from the older release's lock files"),
+            "{}",
+            show(&out)
+        );
+        let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let state = |name: &str| {
+            let rows = listed.as_array().unwrap().iter();
+            rows.filter(|i| i["name"] == name)
+                .map(|i| i["state"].clone())
+                .next()
+        };
+        assert_eq!(state("base"), Some("ready".into()), "{listed}");
+        assert_eq!(state("zz"), None, "{listed}");
+    }
 }
