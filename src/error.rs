@@ -76,7 +76,7 @@ pub enum Error {
     /// The root is a directory that holds no store (exit 66): a command that reads creates
     /// nothing there, one that writes makes a store only in an empty one; `init` is asked to.
     #[error("root {} holds no store{} (mistyped? 'stowage --root {} init' makes it one)",
-        dir.display(), held.as_ref().map_or(String::new(), |h| format!(": it holds '{h}' but no 'locks'")), dir.display())]
+        dir.display(), held.as_ref().map_or(String::new(), |h| format!(": it holds '{h}' but no 'locks' directory")), dir.display())]
     NotAStore { dir: PathBuf, held: Option<String> },
 
     /// The image exists but cannot be read in its state (exit 66).

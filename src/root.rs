@@ -72,13 +72,23 @@ impl Root {
         self.any_of([Self::IMAGE_LOCKS_REL, crate::config::FILE, "stowage.db"])
     }
 
-    /// Whether a store lives here: one of its first-made parts (`locks`, the configuration, an old
-    /// release's catalog) is there. One lstat in a store.
+    /// Whether a store lives here: one of its first-made parts (the `locks` directory, the
+    /// configuration, an old release's catalog) is there. One lstat in a store. A file named
+    /// `locks` alone is anyone's (a project's notes): taken for a store's, a repair would make one.
     pub fn holds_store(&self) -> bool {
-        self.any_of(["locks", crate::config::FILE, "stowage.db"])
+        let locks = fs::symlink_metadata(self.dir.join("locks"));
+        locks.is_ok_and(|m| m.is_dir()) || self.any_of([crate::config::FILE, "stowage.db"])
     }
 
-    fn any_of(&self, names: [&str; 3]) -> bool {
+    /// For a lock that could not be had: where no store is here but something not stowage's is at
+    /// `locks` (a project's file), the root's refusal (66), for which no repair is offered.
+    pub fn foreign_locks(&self) -> Option<anyhow::Error> {
+        let locks = fs::symlink_metadata(self.dir.join("locks"));
+        let foreign = locks.is_ok_and(|m| !m.is_dir()) && !self.holds_store();
+        foreign.then(|| self.no_store().into())
+    }
+
+    fn any_of<const N: usize>(&self, names: [&str; N]) -> bool {
         (names.iter()).any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
     }
 
@@ -125,13 +135,19 @@ impl Root {
         let parts = Self::LAYOUT_DIRS.iter().chain(&Self::LAYOUT_FILES);
         // The configuration is written under a temporary name first (`config.rs`).
         let writing = format!(".{}.", crate::config::FILE);
+        // A `locks` that is no directory is no part either: its maker is not stowage.
+        let locks =
+            |e: &fs::DirEntry| e.file_name() == "locks" && e.file_type().is_ok_and(|t| !t.is_dir());
         let held = fs::read_dir(&self.dir).ok().and_then(|entries| {
-            let name = entries.flatten().map(|e| e.file_name()).find(|n| {
+            let name = entries.flatten().find(|e| {
+                let n = e.file_name();
                 let n = n.to_string_lossy();
-                !parts.clone().any(|p| *p == n)
-                    && n != "stowage.db-journal"
-                    && !n.starts_with(&writing)
+                locks(e)
+                    || !parts.clone().any(|p| *p == n)
+                        && n != "stowage.db-journal"
+                        && !n.starts_with(&writing)
             })?;
+            let name = name.file_name();
             Some(crate::ident::printable(&name.to_string_lossy()).into_owned())
         });
         crate::Error::NotAStore {
@@ -558,6 +574,11 @@ impl Root {
             let path = self.dir.join(rel);
             return Err(match (dir, planted::kind_of_mode(e.mode)) {
                 (true, Some("a directory")) | (false, None) => continue,
+                // No store here: nothing in its place is stowage's to set aside.
+                (true, kind) if rel == "locks" && !self.holds_store() => {
+                    let kind = kind.unwrap_or("a regular file");
+                    std::io::Error::other(format!("{} is {kind}, not a directory, and no store's: refusing to make a store here; move it away or choose another root", path.display()))
+                }
                 (true, Some("a symlink")) if rel == "img" => {
                     let (at, fix) = (path.display(), planted::IMG_LINK);
                     std::io::Error::other(format!(

@@ -331,7 +331,10 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
                 created = true;
                 continue;
             }
-            Err(e) => return Err(lock::error("the global lock", &path, e)),
+            Err(e) => {
+                let no_store = ctx.root.foreign_locks();
+                return Err(no_store.unwrap_or_else(|| lock::error("the global lock", &path, e)));
+            }
         }
         if i < 6 {
             std::thread::yield_now();

@@ -62,6 +62,13 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
             root.require_store()?;
             return Err(no_such(name));
         }
+        // A file at `locks` where no store is (a project's own): said as no store, never repaired.
+        Err(e)
+            if crate::planted::find(&e).is_some()
+                && let Some(no) = root.foreign_locks() =>
+        {
+            return Err(no);
+        }
         other => other,
     };
     let held = match first.map_err(|e| lock::error(&format!("image '{name}'"), &path, e))? {

@@ -125,9 +125,11 @@ pub(crate) fn take(
     validate_class(class)?;
     let root = store.root();
     let dir = root.slot_class_dir(class);
-    let slots = match try_now(root, class, priority, &dir)? {
-        Ok(got) => return Ok(got),
-        Err(busy) => busy,
+    let slots = match try_now(root, class, priority, &dir) {
+        Ok(Ok(got)) => return Ok(got),
+        Ok(Err(busy)) => busy,
+        // A file at `locks` where no store is: said as no store.
+        Err(e) => return Err(root.foreign_locks().unwrap_or(e)),
     };
     let limits = slots.limits;
     crate::debug::pause("slot-busy");

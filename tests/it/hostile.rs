@@ -573,6 +573,10 @@ fn a_directory_that_holds_no_store_is_not_made_one_unasked() {
     fs::create_dir(&empty).unwrap();
     fs::create_dir_all(project.join("img/icons")).unwrap();
     fs::write(project.join("index.html"), "hi").unwrap();
+    // A file named `locks` is anyone's: no sign of a store, and never set aside to make one.
+    let notes = env.tmp.path().join("notes");
+    fs::create_dir(&notes).unwrap();
+    fs::write(notes.join("locks"), "my notes").unwrap();
     let looks: [&[&str]; 11] = [
         &["images"],
         &["images", "--json"],
@@ -591,9 +595,9 @@ fn a_directory_that_holds_no_store_is_not_made_one_unasked() {
         &["exec", "--", "true"],
         &["slots", "set", "pull", "1"],
     ];
-    for dir in [&empty, &project] {
+    for dir in [&empty, &project, &notes] {
         let before = tree(dir);
-        let in_project = dir == &project;
+        let in_project = dir != &empty;
         for args in looks.iter().chain(writes.iter().filter(|_| in_project)) {
             let mut c = Command::new(bin());
             c.arg("--root").arg(dir).args(args.iter());
@@ -622,6 +626,12 @@ fn a_directory_that_holds_no_store_is_not_made_one_unasked() {
     let out = output(c);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(project.join("locks").is_dir() && project.join("index.html").exists());
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&notes).arg("init");
+    let out = output(c);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("no store's"), "{}", show(&out));
+    assert_eq!(tree(&notes), ["locks"]);
 }
 
 #[test]
