@@ -56,7 +56,8 @@ pub struct Args {
     /// Fail at once if a lock is busy
     #[arg(long, conflicts_with = "wait")]
     no_wait: bool,
-    /// Exit with N instead of 75 when a lock is not acquired in time
+    /// Exit with N instead of 75 when a lock is not acquired in time (0 too:
+    /// the command is then skipped, and only stderr says so)
     #[arg(long, value_name = "N", value_parser = exit_status, allow_hyphen_values = true)]
     conflict_exit_code: Option<u8>,
     /// Keep the lock descriptors from the command: stowage holds the locks
