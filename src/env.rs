@@ -4,7 +4,7 @@
 //! - The hidden `DEBUG_*` hooks let tests make, with real processes, what this machine cannot
 //!   (another filesystem, a lost NFS lock, a pause at one step); docs/design.md documents them.
 
-/// The store's root directory, when `--root` is not given.
+/// The store's root directory, when `--root` is not given (set but empty: refused, 64).
 pub const ROOT: &str = "STOWAGE_ROOT";
 /// Set for an exec's command: the images directory.
 pub const IMAGES_DIR: &str = "STOWAGE_IMAGES_DIR";

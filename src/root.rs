@@ -34,10 +34,13 @@ pub struct Root {
 impl Root {
     /// `--root`, else `$STOWAGE_ROOT`, else `/var/tmp/$USER.stowage`.
     pub fn resolve(flag: Option<&Path>) -> Result<Root> {
-        let named = flag.map(Path::to_owned).or_else(|| {
-            let env = std::env::var_os(crate::env::ROOT);
-            env.filter(|d| !d.is_empty()).map(PathBuf::from)
-        });
+        let env = std::env::var_os(crate::env::ROOT).filter(|_| flag.is_none());
+        // Set but empty is a wrapper's unset variable, as `--root ""` is: never the default root.
+        if env.as_ref().is_some_and(|d| d.is_empty()) {
+            let e = "STOWAGE_ROOT is set but empty (is a variable unset? unset STOWAGE_ROOT for the default root)";
+            return Err(crate::Error::Usage(e.to_owned()).into());
+        }
+        let named = flag.map(Path::to_owned).or_else(|| env.map(PathBuf::from));
         let default = named.is_none();
         let dir = named
             .unwrap_or_else(|| format!("/var/tmp/{}.stowage", crate::ident::user_name()).into());

@@ -1906,3 +1906,24 @@ fn a_dead_writers_image_whose_lock_file_cannot_be_written_is_shown_incomplete() 
     let out = env.run(["exec", "--read", "a", "--", "true"]);
     assert_eq!(code(&out), Some(66), "{}", show(&out));
 }
+
+/// An empty `STOWAGE_ROOT` is a wrapper's unset variable, as `--root ""`
+/// is: refused (64), never taken for the default root (before: the
+/// default root was used, and a write would have gone there).
+#[test]
+fn an_empty_stowage_root_is_refused_not_taken_for_the_default() {
+    let user = format!("stowage-it-{}", std::process::id());
+    let default = Path::new("/var/tmp").join(format!("{user}.stowage"));
+    for args in [&["images"][..], &["exec", "--write", "a", "--", "true"]] {
+        let mut c = Command::new(bin());
+        c.args(args).env("STOWAGE_ROOT", "").env("USER", &user);
+        let out = output(c);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("STOWAGE_ROOT is set but empty"),
+            "{}",
+            show(&out)
+        );
+        assert!(!default.exists(), "{args:?} made the default root");
+    }
+}
