@@ -268,9 +268,18 @@ pub fn inspect_file(db: &Path, root: &Root) -> Result<Found> {
     inspect_in(&open(db)?, root)
 }
 
-/// Why the regular file at `db` cannot be read whole, if it cannot (one plain read to its end).
+/// The most of the catalog's data [`unreadable`] reads. A catalog stowage makes is far smaller (a
+/// row per image: some 300,000 images), so a read that fails in one made anew is always found; one
+/// past it in a larger file costs at most a rebuild. And it is read under the global lock, so a
+/// file of any size planted there holds nobody up for more than a moment.
+const READ_BOUND: u64 = 64 << 20;
+
+/// Why the regular file at `db` cannot be read, if it cannot: its data read once, only where it has
+/// any (a hole reads as zeros from no disk, and a sparse file may claim exabytes), [`READ_BOUND`]
+/// bytes at most.
 pub fn unreadable(db: &Path) -> Option<std::io::Error> {
-    let mut file = std::fs::OpenOptions::new()
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(db)
@@ -278,7 +287,35 @@ pub fn unreadable(db: &Path) -> Option<std::io::Error> {
     if !file.metadata().is_ok_and(|m| m.is_file()) {
         return None;
     }
-    std::io::copy(&mut file, &mut std::io::sink()).err()
+    let (mut buf, mut left, mut at) = (vec![0u8; 64 << 10], READ_BOUND, 0u64);
+    while left > 0 {
+        let (start, end) = data_region(&file, at)?;
+        at = start;
+        while at < end && left > 0 {
+            let want = (end - at).min(left).min(buf.len() as u64) as usize;
+            match file.read_at(&mut buf[..want], at) {
+                Ok(0) => return None,
+                Ok(n) => (at, left) = (at + n as u64, left - n as u64),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Some(e),
+            }
+        }
+    }
+    None
+}
+
+/// The next region of `file` holding data at or after `at` (start, end), if any: the whole rest
+/// where the filesystem tells no holes.
+fn data_region(file: &std::fs::File, at: u64) -> Option<(u64, u64)> {
+    use nix::unistd::{Whence, lseek};
+    let start = match lseek(file, at as libc::off_t, Whence::SeekData) {
+        Ok(start) => start as u64,
+        Err(nix::errno::Errno::ENXIO) => return None,
+        Err(_) => at,
+    };
+    let end = lseek(file, start as libc::off_t, Whence::SeekHole).map_or(u64::MAX, |h| h as u64);
+    // No data there after all (the file changed between the two questions): as at its end.
+    (end > start).then_some((start, end))
 }
 
 /// Is this SQLite failing to write or open a file (which it does not name)?
@@ -326,6 +363,15 @@ fn said(err: &anyhow::Error, codes: &[ErrorCode]) -> bool {
             _ => None,
         });
     code.is_some_and(|c| codes.contains(&c))
+}
+
+/// Why the file at `db`, read in pages of `page` bytes, is no catalog for its length alone, if it
+/// is not: SQLite counts pages in 32 bits, and takes the count of a longer file (a sparse one, of
+/// any length) modulo 2^32, as if it were empty or short.
+fn beyond_sqlite(db: &Path, page: u64) -> Option<String> {
+    let size = std::fs::symlink_metadata(db).ok()?.len();
+    (size / page.max(512) >= u32::MAX as u64)
+        .then(|| format!("{size} bytes long, more pages of {page} bytes than SQLite can count"))
 }
 
 /// Switches a database put in WAL mode back to the rollback journal, retrying while busy.
@@ -439,6 +485,13 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     if mode.eq_ignore_ascii_case("wal") {
         leave_wal(conn).context("the catalog was switched to WAL by another program")?;
+    }
+    let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))?;
+    if let Some(why) = conn
+        .path()
+        .and_then(|db| beyond_sqlite(Path::new(db), page as u64))
+    {
+        return Ok(Found::Replaced(why));
     }
     // One read: a catalog being made beside us (doctor looks unlocked) is never seen half made.
     let alone = conn.is_autocommit();

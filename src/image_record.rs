@@ -450,7 +450,7 @@ pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<boo
 }
 
 /// The file's first [`AREA`] bytes, or all it has.
-fn read_area(file: &File) -> io::Result<Vec<u8>> {
+pub(crate) fn read_area(file: &File) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
     while got < buf.len() {

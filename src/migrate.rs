@@ -290,7 +290,7 @@ fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
         let mut files = crate::root::names_in(&slots.join(&dir));
         files.sort();
         let stated = files.iter().find_map(|f| {
-            let bytes = std::fs::read(slots.join(&dir).join(f)).ok()?;
+            let bytes = head(&slots.join(&dir).join(f))?;
             let body = image_record::checked_body(&bytes)?;
             let body = body.strip_prefix("stowage-slot ")?;
             let field = |k| field(body, k);
@@ -479,7 +479,7 @@ pub fn records_from_tokens(root: &Root) -> BTreeMap<String, Record> {
         let Some(name) = Root::image_of_lock_file(&file) else {
             continue;
         };
-        let Ok(bytes) = std::fs::read(root.image_locks().join(&file)) else {
+        let Some(bytes) = head(&root.image_locks().join(&file)) else {
             continue;
         };
         let token = Token::of(&bytes[..bytes.len().min(3072)], name.as_str());
@@ -668,6 +668,14 @@ fn ensure_config(root: &Root) -> Result<()> {
         crate::config::create(root.dir(), &dir, &Config::fresh())?;
     }
     Ok(())
+}
+
+/// What a reader of the lock or slot file at `path` reads ([`image_record::AREA`] bytes at most),
+/// if it is a regular file: no link followed, no wait on a FIFO, no time spent on a file planted
+/// there at any length.
+fn head(path: &Path) -> Option<Vec<u8>> {
+    let file = lock::open_existing_read(path).ok()??;
+    image_record::read_area(&file).ok()
 }
 
 fn image_lock_files(root: &Root) -> Vec<String> {

@@ -1119,3 +1119,32 @@ fn an_old_image_without_a_known_last_use_counts_as_used_at_its_migration() {
     );
     assert!(env.root.join("img/rowless").is_dir(), "{}", show(&out));
 }
+
+/// An older store whose catalog is lost migrates from its lock files,
+/// reading its slot classes from the slot files: each one claiming
+/// terabytes or more (sparse, its record first) is read for what a slot
+/// file holds, not whole (which never ended, or could not be allocated and
+/// lost the class). Every class is kept.
+#[test]
+fn an_old_stores_slot_files_of_any_length_keep_their_class() {
+    let env = old_store();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    for file in ["0.lock", "1.lock", "2.lock", "high-0.lock"] {
+        let path = env.root.join("locks/slots/pull").join(file);
+        let long = fs::OpenOptions::new().write(true).open(path).unwrap();
+        let len = [4u64 << 60, 15 << 40, 1 << 40];
+        assert!(len.into_iter().any(|n| long.set_len(n).is_ok()));
+    }
+    let out = env.ok(["slots", "--json"]);
+    let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pull = classes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "pull");
+    assert_eq!(
+        pull.map(|c| c["limit"].clone()),
+        Some(3.into()),
+        "{classes}"
+    );
+}
