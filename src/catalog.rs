@@ -85,6 +85,7 @@ pub struct Catalog<'a> {
 /// Opens the catalog file (not yet a transaction), refusing anything planted at its files.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     check_files(path)?;
+    leave_outside_wal(path)?;
     // SQLite names nothing it could not open: what was put in the catalog's place since, if any.
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE;
     connect(path, flags).map_err(|e| {
@@ -268,9 +269,18 @@ pub fn inspect_file(db: &Path, root: &Root) -> Result<Found> {
     inspect_in(&open(db)?, root)
 }
 
-/// Why the regular file at `db` cannot be read whole, if it cannot (one plain read to its end).
+/// The most of the catalog's data [`unreadable`] reads. A catalog stowage makes is far smaller (a
+/// row per image: some 300,000 images), so a read that fails in one made anew is always found; one
+/// past it in a larger file costs at most a rebuild. And it is read under the global lock, so a
+/// file of any size planted there holds nobody up for more than a moment.
+const READ_BOUND: u64 = 64 << 20;
+
+/// Why the regular file at `db` cannot be read, if it cannot: its data read once, only where it has
+/// any (a hole reads as zeros from no disk, and a sparse file may claim exabytes), [`READ_BOUND`]
+/// bytes at most.
 pub fn unreadable(db: &Path) -> Option<std::io::Error> {
-    let mut file = std::fs::OpenOptions::new()
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(crate::planted::FLAGS)
         .open(db)
@@ -278,7 +288,35 @@ pub fn unreadable(db: &Path) -> Option<std::io::Error> {
     if !file.metadata().is_ok_and(|m| m.is_file()) {
         return None;
     }
-    std::io::copy(&mut file, &mut std::io::sink()).err()
+    let (mut buf, mut left, mut at) = (vec![0u8; 64 << 10], READ_BOUND, 0u64);
+    while left > 0 {
+        let (start, end) = data_region(&file, at)?;
+        at = start;
+        while at < end && left > 0 {
+            let want = (end - at).min(left).min(buf.len() as u64) as usize;
+            match file.read_at(&mut buf[..want], at) {
+                Ok(0) => return None,
+                Ok(n) => (at, left) = (at + n as u64, left - n as u64),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Some(e),
+            }
+        }
+    }
+    None
+}
+
+/// The next region of `file` holding data at or after `at` (start, end), if any: the whole rest
+/// where the filesystem tells no holes.
+fn data_region(file: &std::fs::File, at: u64) -> Option<(u64, u64)> {
+    use nix::unistd::{Whence, lseek};
+    let start = match lseek(file, at as libc::off_t, Whence::SeekData) {
+        Ok(start) => start as u64,
+        Err(nix::errno::Errno::ENXIO) => return None,
+        Err(_) => at,
+    };
+    let end = lseek(file, start as libc::off_t, Whence::SeekHole).map_or(u64::MAX, |h| h as u64);
+    // No data there after all (the file changed between the two questions): as at its end.
+    (end > start).then_some((start, end))
 }
 
 /// Is this SQLite failing to write or open a file (which it does not name)?
@@ -328,6 +366,113 @@ fn said(err: &anyhow::Error, codes: &[ErrorCode]) -> bool {
     code.is_some_and(|c| codes.contains(&c))
 }
 
+/// Whether the database at `db` says it is in WAL mode: its read version (header byte 19) is 2,
+/// and SQLite opens its WAL and the WAL's index to read it. One read, no link followed, no wait.
+pub fn in_wal(db: &Path) -> bool {
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(db);
+    let mut byte = [0u8];
+    file.is_ok_and(|f| f.read_at(&mut byte, 19).is_ok_and(|n| n == 1) && byte[0] == 2)
+}
+
+/// Why the file at `db`, read in pages of `page` bytes, is no catalog for its length alone, if it
+/// is not: SQLite counts pages in 32 bits, and takes the count of a longer file (a sparse one, of
+/// any length) modulo 2^32, as if it were empty or short.
+fn beyond_sqlite(db: &Path, page: u64) -> Option<String> {
+    let size = std::fs::symlink_metadata(db).ok()?.len();
+    (size / page.max(512) >= u32::MAX as u64)
+        .then(|| format!("{size} bytes long, more pages of {page} bytes than SQLite can count"))
+}
+
+/// The context of an error met switching a catalog back from WAL.
+const SWITCHED: &str = "the catalog was switched to WAL by another program";
+
+/// Switches a catalog its header says another program put in WAL mode back to the rollback
+/// journal, on connections of its own. SQLite shares WAL's index through memory mapped from the
+/// `-shm` file, which a filesystem may refuse (FUSE: GlusterFS) and another user's file deny;
+/// then on a connection in exclusive locking mode, which keeps the index in its own memory (and
+/// the file to itself while it lives, as the global lock keeps the catalog to us anyway).
+fn leave_outside_wal(db: &Path) -> Result<()> {
+    if !in_wal(db) {
+        return Ok(());
+    }
+    let rw = OpenFlags::SQLITE_OPEN_READ_WRITE;
+    let leave = |exclusive: bool| {
+        let conn = connect(db, rw)?;
+        if exclusive {
+            conn.pragma_update(None, "locking_mode", "EXCLUSIVE")?;
+        }
+        conn.query_row("PRAGMA journal_mode", [], |r| r.get::<_, String>(0))?;
+        leave_wal(&conn)
+    };
+    let busy = |e: &rusqlite::Error| e.sqlite_error_code().is_some_and(|c| BUSY.contains(&c));
+    let shared = match leave(false) {
+        Ok(()) => return Ok(()),
+        Err(e) if busy(&e) => return Err(anyhow::Error::from(e).context(SWITCHED)),
+        Err(e) => e,
+    };
+    match leave(true) {
+        Ok(()) => Ok(()),
+        Err(e) if busy(&e) => Err(anyhow::Error::from(e).context(SWITCHED)),
+        Err(alone) => Err(StuckInWal {
+            db: db.to_owned(),
+            why: wal_trouble(db, &shared, &alone),
+        }
+        .into()),
+    }
+}
+
+/// What keeps a catalog in WAL mode from being opened here, as far as it can be told: `shared`
+/// the error through WAL's shared index, `alone` the error without it.
+fn wal_trouble(db: &Path, shared: &rusqlite::Error, alone: &rusqlite::Error) -> String {
+    use rusqlite::ffi::{
+        SQLITE_IOERR_SHMLOCK, SQLITE_IOERR_SHMMAP, SQLITE_IOERR_SHMOPEN, SQLITE_IOERR_SHMSIZE,
+    };
+    let extended = |e: &rusqlite::Error| match e {
+        rusqlite::Error::SqliteFailure(f, _) => f.extended_code,
+        _ => 0,
+    };
+    let shm = [
+        SQLITE_IOERR_SHMOPEN,
+        SQLITE_IOERR_SHMSIZE,
+        SQLITE_IOERR_SHMLOCK,
+        SQLITE_IOERR_SHMMAP,
+    ];
+    let no_shm = shm.contains(&extended(shared)).then(|| {
+        "its filesystem cannot map WAL's index into shared memory (as FUSE cannot)".to_owned()
+    });
+    let denied = || {
+        files(db)[1..].iter().find_map(|(path, _)| {
+            let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
+            let there = std::fs::symlink_metadata(path).is_ok();
+            (there && nix::unistd::access(path, rw).is_err()).then(|| {
+                crate::planted::denied(path)
+                    .unwrap_or_else(|| format!("{} may not be written by you", path.display()))
+            })
+        })
+    };
+    let why = no_shm
+        .or_else(|| unwritable(db))
+        .or_else(denied)
+        .unwrap_or_else(|| shared.to_string());
+    format!("{why}, and without it: {alone}")
+}
+
+/// A catalog in WAL mode that could not be switched back here, and why: commands go on without it,
+/// and `doctor --repair` sets it aside with its WAL files.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "catalog {} was switched to WAL by another program and cannot be switched back here: {why}; 'stowage doctor --repair' sets it aside and makes it anew",
+    db.display()
+)]
+pub struct StuckInWal {
+    pub db: PathBuf,
+    pub why: String,
+}
+
 /// Switches a database put in WAL mode back to the rollback journal, retrying while busy.
 fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     let until = std::time::Instant::now() + busy_timeout();
@@ -374,9 +519,12 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
         Err(busy_again(&path))
     } else {
-        connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-            .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
-            .map_err(anyhow::Error::from)
+        leave_outside_wal(&path)
+            .and_then(|()| {
+                connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+                    .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
+                    .map_err(anyhow::Error::from)
+            })
             .and_then(|conn| inspect_in(&conn, root))
     };
     let why = match found {
@@ -438,7 +586,14 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
 pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     if mode.eq_ignore_ascii_case("wal") {
-        leave_wal(conn).context("the catalog was switched to WAL by another program")?;
+        leave_wal(conn).context(SWITCHED)?;
+    }
+    let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))?;
+    if let Some(why) = conn
+        .path()
+        .and_then(|db| beyond_sqlite(Path::new(db), page as u64))
+    {
+        return Ok(Found::Replaced(why));
     }
     // One read: a catalog being made beside us (doctor looks unlocked) is never seen half made.
     let alone = conn.is_autocommit();

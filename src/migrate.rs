@@ -125,7 +125,7 @@ fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
 fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>> {
     let root = store.root();
     let db = root.db();
-    let conn = crate::catalog::open(&db)?;
+    let conn = crate::catalog::open(&db).map_err(|e| sqlite_error(&db, e))?;
     let found = crate::catalog::inspect_in(&conn, root);
     // Damage the migration's line said already (its header), or found only now (its rows).
     let (damage, said) = match found {

@@ -157,7 +157,7 @@ impl Store {
     fn open_settled(&self) -> Result<rusqlite::Connection> {
         let db = self.ctx.root.db();
         // Something planted at the catalog is an error here: only `doctor --repair` moves it.
-        let conn = catalog::open(&db)?;
+        let conn = catalog::open(&db).map_err(|e| sqlite_error(&db, e))?;
         let root = &self.ctx.root;
         let found = match catalog::inspect_in(&conn, root) {
             Ok(f) => f,
@@ -175,7 +175,7 @@ impl Store {
             Found::Replaced(why) => {
                 drop(conn);
                 self.replace(&why)?;
-                catalog::open(&db)?
+                catalog::open(&db).map_err(|e| sqlite_error(&db, e))?
             }
         };
         catalog::create_schema(&conn).map_err(|e| catalog_error(&db, e))?;
@@ -223,12 +223,15 @@ impl Store {
     }
 }
 
-/// Sets the catalog aside as `stowage.db.WHY-STAMP` (never deleted), with its journal; says where.
+/// Sets the catalog aside as `stowage.db.WHY-STAMP` (never deleted), with its journal and its WAL
+/// files; says where.
 pub(crate) fn set_aside(root: &Root, why: &str) -> Result<PathBuf> {
-    let journal = crate::catalog::beside(&root.db(), "-journal");
-    // A journal beside a damaged file is part of it: it goes along.
-    if std::fs::symlink_metadata(&journal).is_ok() {
-        set_aside_file(root, &journal, why)?;
+    // A journal or WAL beside a damaged file is part of it, and WAL's index belongs to that WAL:
+    // they go along, so none is ever read with the catalog made anew.
+    for (path, _) in &crate::catalog::files(&root.db())[1..] {
+        if std::fs::symlink_metadata(path).is_ok() {
+            set_aside_file(root, path, why)?;
+        }
     }
     set_aside_file(root, &root.db(), why)
 }

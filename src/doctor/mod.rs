@@ -429,6 +429,9 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
         Err(e) if crate::catalog::is_busy(&e) => {
             return Ok(report.catalog(Problem, format!("{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records")));
         }
+        Err(e) if e.downcast_ref::<crate::catalog::StuckInWal>().is_some() => {
+            return stuck_in_wal(store, repair, &e, report);
+        }
         Err(e) => Found::Replaced(format!("{e:#}")),
     };
     Ok(match found {
@@ -449,6 +452,44 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
         Found::New => empty_catalog(store, repair, report)?,
         Found::Current => intact(store, repair, report)?,
     })
+}
+
+/// A catalog in WAL mode that could not be switched back here (`e` says why); `repair` sets it
+/// aside with its journal and WAL files, under the global lock, and makes it anew.
+fn stuck_in_wal(
+    store: &mut Store,
+    repair: bool,
+    e: &anyhow::Error,
+    report: &mut Report,
+) -> Result<Verdict> {
+    let db = store.root().db();
+    if !repair {
+        let then = "images are still used and listed, from their records";
+        return Ok(report.catalog(Problem, format!("{e:#}; {then}")));
+    }
+    let why = e
+        .downcast_ref::<crate::catalog::StuckInWal>()
+        .map_or_else(|| format!("{e:#}"), |s| s.why.clone());
+    let aside = {
+        let _global = store.global(None)?;
+        store.close_catalog();
+        // Switched back meanwhile (by a host that can): the catalog is kept.
+        if !crate::catalog::in_wal(&db) {
+            None
+        } else {
+            Some(crate::store::set_aside(store.root(), "wal")?)
+        }
+    };
+    store.with_catalog(None, |_, _| Ok(()))?;
+    let shown = db.display();
+    let detail = match aside {
+        Some(aside) => format!(
+            "{shown} was stuck in WAL mode ({why}): set aside as {} with its WAL files and made anew from the records",
+            aside.display()
+        ),
+        None => format!("{shown} was stuck in WAL mode ({why}), and was switched back meanwhile"),
+    };
+    Ok(report.catalog(Repaired, detail))
 }
 
 /// A catalog with no schema yet (emptied, or made and never written): the next command fills it

@@ -1405,3 +1405,38 @@ fn a_repair_never_adopts_a_tree_another_host_removed_a_moment_before() {
     assert_eq!(image_state(a, &root, "x"), None);
     assert_eq!(image_state(b, &root, "x"), None);
 }
+
+/// A catalog an outside program (an sqlite3 shell) switched to WAL mode,
+/// on a FUSE mount, which gives WAL's index no shared memory: every command
+/// used to fail on it ("disk I/O error", code 5386) and `doctor --repair`
+/// too, at every run. It is switched back by the first command, its rows
+/// kept, with nothing said; `doctor` finds it intact.
+#[test]
+fn a_catalog_switched_to_wal_on_a_fuse_mount_is_switched_back() {
+    if !tool_or_skip("sqlite3", "sqlite3") {
+        return;
+    }
+    let Some(c) = Cluster::start("wal", 1) else {
+        return;
+    };
+    let (host, root) = (c.host(0), c.root());
+    ok(host.stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
+    ok(host.stowage_run(&root, ["images"]));
+    let db = root.join("stowage.db");
+    let wal = ok(host.run(["sqlite3", db.to_str().unwrap(), "PRAGMA journal_mode=WAL;"]));
+    assert_eq!(stdout(&wal).trim(), "wal", "{}", show(&wal));
+    let out = ok(host.stowage_run(&root, ["images"]));
+    assert!(stdout(&out).contains("base "), "{}", show(&out));
+    assert_eq!(stderr(&out), "", "{}", show(&out));
+    let mode = ok(host.run([
+        "sqlite3",
+        db.to_str().unwrap(),
+        "PRAGMA journal_mode; SELECT name FROM images;",
+    ]));
+    assert_eq!(stdout(&mode), "delete\nbase\n", "{}", show(&mode));
+    let listed = stdout(&ok(host.run(["ls", root.to_str().unwrap()])));
+    assert!(!listed.contains("stowage.db-wal"), "{listed}");
+    let out = ok(host.stowage_run(&root, ["doctor"]));
+    assert!(stdout(&out).contains("intact"), "{}", show(&out));
+    ok(host.stowage_run(&root, ["doctor", "--repair"]));
+}

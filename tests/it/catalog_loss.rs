@@ -936,3 +936,66 @@ fn a_fifo_put_at_the_catalog_while_it_is_opened_is_named() {
     assert!(stderr(&out).contains("FIFO"), "{}", show(&out));
     assert!(!stderr(&out).contains("unable to open"), "{}", show(&out));
 }
+
+/// A sparse file of the longest length the filesystem takes (exabytes on
+/// tmpfs), a hole from end to end: SQLite's file, no catalog.
+fn plant_sparse(path: &std::path::Path) -> u64 {
+    let f = fs::File::create(path).unwrap();
+    [4u64 << 60, 15 << 40, 8 << 40, 1 << 40]
+        .into_iter()
+        .find(|&len| f.set_len(len).is_ok())
+        .expect("a sparse file of a terabyte or more")
+}
+
+/// A catalog file claiming exabytes or terabytes (sparse: it costs no disk)
+/// is set aside and made anew by the first command that uses it, and
+/// `doctor` says what it is. Every command once read it whole, under the
+/// global lock, to tell a failing disk from damage: for hours, while every
+/// other catalog user waited, and on tmpfs, where SQLite counts the pages
+/// of 4 EiB as none, `doctor --repair` called it empty and unmakeable.
+#[test]
+fn a_sparse_catalog_of_any_length_is_set_aside_at_once() {
+    sparse_catalogs_set_aside(&Env::new());
+    // 4 EiB, where SQLite counts no page at all, on a tmpfs (as root).
+    let env = Env::new();
+    fs::create_dir(&env.root).unwrap();
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    if let Some(_tmpfs) = Mount::tmpfs_at(&env.root, "64m") {
+        sparse_catalogs_set_aside(&env);
+    }
+}
+
+/// [`a_sparse_catalog_of_any_length_is_set_aside_at_once`] in `env`.
+fn sparse_catalogs_set_aside(env: &Env) {
+    env.make_image("a");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    for args in [
+        &["images"][..],
+        &["gc", "--dry-run"],
+        &["gc"],
+        &["init"],
+        &["doctor", "--repair"],
+        &["doctor"],
+    ] {
+        fs::remove_file(&db).unwrap();
+        let len = plant_sparse(&db);
+        let out = env.run(args);
+        let doctor = args == ["doctor"];
+        assert_eq!(code(&out), Some(doctor as i32), "{args:?}: {}", show(&out));
+        let said = format!("{}{}", stdout(&out), stderr(&out));
+        assert!(!said.contains("empty"), "{args:?}: {}", show(&out));
+        if doctor {
+            assert!(said.contains("cannot be used"), "{}", show(&out));
+            continue;
+        }
+        assert!(said.contains("set aside"), "{args:?}: {}", show(&out));
+        assert!(
+            fs::metadata(&db).unwrap().len() < len,
+            "{args:?}: made anew"
+        );
+        assert_eq!(env.state("a").as_deref(), Some("ready"), "{args:?}");
+    }
+}

@@ -1210,3 +1210,32 @@ fn a_listing_from_the_lock_files_neither_hangs_on_a_planted_one_nor_reads_it_who
         assert_eq!(state("zz"), None, "{listed}");
     }
 }
+
+/// An older store whose catalog is lost migrates from its lock files,
+/// reading its slot classes from the slot files: each one claiming
+/// terabytes or more (sparse, its record first) is read for what a slot
+/// file holds, not whole (which never ended, or could not be allocated and
+/// lost the class). Every class is kept.
+#[test]
+fn an_old_stores_slot_files_of_any_length_keep_their_class() {
+    let env = old_store();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    for file in ["0.lock", "1.lock", "2.lock", "high-0.lock"] {
+        let path = env.root.join("locks/slots/pull").join(file);
+        let long = fs::OpenOptions::new().write(true).open(path).unwrap();
+        let len = [4u64 << 60, 15 << 40, 1 << 40];
+        assert!(len.into_iter().any(|n| long.set_len(n).is_ok()));
+    }
+    let out = env.ok(["slots", "--json"]);
+    let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pull = classes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "pull");
+    assert_eq!(
+        pull.map(|c| c["limit"].clone()),
+        Some(3.into()),
+        "{classes}"
+    );
+}
