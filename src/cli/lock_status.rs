@@ -162,7 +162,7 @@ struct StatusJson<'a> {
     locks: &'a [LockReport],
 }
 
-/// As JSON: kind, name, the image's state, a slot class's limit, reserve and slots in use (null
+/// As JSON: kind, name, an image's state (null: no record), a slot class's limit, reserve and slots in use (null
 /// once the class is removed while held), then state, holders and waiters.
 impl Serialize for LockReport {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -170,8 +170,9 @@ impl Serialize for LockReport {
         let mut m = s.serialize_struct("LockReport", 9)?;
         m.serialize_field("kind", &self.kind)?;
         m.serialize_field("name", &self.name)?;
-        if let Some(st) = self.image_state {
-            m.serialize_field("image_state", st.as_str())?;
+        // Every image entry has it, null where no record says (a lock file taken from outside).
+        if self.kind == LockKind::Image {
+            m.serialize_field("image_state", &self.image_state.map(|st| st.as_str()))?;
         }
         if self.kind == LockKind::Slot {
             m.serialize_field("limit", &self.slot.map(|s| s.0))?;

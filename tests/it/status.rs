@@ -1080,3 +1080,29 @@ fn images_are_listed_by_name() {
         .collect();
     assert_eq!(listed, names);
 }
+
+/// Every image entry of `lock-status --json` has `image_state`, null for
+/// a lock file that holds no record (taken with flock(1) before any
+/// image of the name was made): a consumer may index it without a check.
+#[test]
+fn every_image_entry_has_an_image_state_null_where_no_record_says() {
+    let env = Env::new();
+    env.make_image("app");
+    let started = env.sentinel("started");
+    let lock = env.root.join("locks/images/alpine+3.17.lock");
+    let _outsider = flock_holder(&lock, &started, "sleep 60");
+    let st = env.status_json(["--all"]);
+    let images: Vec<&Value> = (st["locks"].as_array().unwrap().iter())
+        .filter(|l| l["kind"] == "image")
+        .collect();
+    assert_eq!(images.len(), 2, "{st}");
+    for l in images {
+        let state = l.get("image_state").unwrap_or_else(|| panic!("{l}"));
+        let want = if l["name"] == "app" {
+            "ready".into()
+        } else {
+            Value::Null
+        };
+        assert_eq!(*state, want, "{l}");
+    }
+}
