@@ -51,6 +51,9 @@ pub struct Party {
     /// An exclusive lock taken only to read (`--read-exclusive`).
     #[serde(skip)]
     pub reading: bool,
+    /// A process that kept a lock the exec that took it no longer holds (its command's child).
+    #[serde(skip)]
+    pub kept: bool,
     /// Where `pid` names the process: JSON says it, since a container shares the host name.
     #[serde(serialize_with = "pid_space_json")]
     pub pid_space: PidSpace,
@@ -617,11 +620,29 @@ impl<'c> Look<'c> {
             None if !self.still_there(path, e) => None,
             None if e.blocked || gone.is_none() => Some(Party::outsider(self.ctx, e)),
             // At that pid a live stowage process neither holds nor lists the lock: pid reused. Or
-            // its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused).
-            _ => Some(Party {
-                host: Some(self.ctx.me.host.clone()),
-                ..Party::unknown(e.mode)
-            }),
+            // its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused):
+            // the process whose fds hold it, where one can be found.
+            _ => Some(
+                match self
+                    .key_of(path)
+                    .map(crate::kernel::holding_through_own_fds)
+                {
+                    Some(pids) if !pids.is_empty() => Party {
+                        kept: true,
+                        ..Party::outsider(
+                            self.ctx,
+                            &Entry {
+                                pid: pids.first().copied(),
+                                ..e.clone()
+                            },
+                        )
+                    },
+                    _ => Party {
+                        host: Some(self.ctx.me.host.clone()),
+                        ..Party::unknown(e.mode)
+                    },
+                },
+            ),
         }
     }
 
@@ -782,6 +803,7 @@ fn describe(p: &Party) -> String {
     }
     match p.stowage {
         Some(true) => {}
+        _ if p.kept => s.push_str(", which kept it after the exec that took it ended"),
         Some(false) if p.pid.is_some() => s.push_str(", not started by stowage"),
         _ => s.push_str(" that stowage cannot identify (outside stowage, or on another host)"),
     }

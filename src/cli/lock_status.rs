@@ -149,6 +149,7 @@ fn party(p: &Party) -> String {
     }
     match p.stowage {
         Some(true) => {}
+        _ if p.kept => s.push_str(" [kept it after the exec that took it ended]"),
         Some(false) => s.push_str(" [outside stowage]"),
         None => s.push_str(" [outside stowage, or on another host]"),
     }

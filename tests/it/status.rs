@@ -1106,3 +1106,44 @@ fn every_image_entry_has_an_image_state_null_where_no_record_says() {
         assert_eq!(*state, want, "{l}");
     }
 }
+
+/// A command's background child keeps the locks its exec took (the
+/// default), after the exec has ended and its lease is gone: lock-status
+/// and a busy reader name that child by its pid, not "a process stowage
+/// cannot identify … or on another host".
+#[test]
+fn a_lock_kept_by_an_ended_execs_child_names_that_child() {
+    let env = Env::new();
+    let pidfile = env.sentinel("child");
+    let script = format!(
+        "sleep 60 >/dev/null 2>&1 & echo $! > '{}'",
+        pidfile.display()
+    );
+    env.ok(["exec", "--write", "a", "--", "sh", "-c", &script]);
+    let child: u32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let entry = env.lock_entry("a").unwrap();
+    let out = env.run(["exec", "--read", "a", "--no-wait", "--", "true"]);
+    // SAFETY: a pid of our own child's child, which we end.
+    unsafe { libc::kill(child as i32, libc::SIGKILL) };
+    let fs = env.status_json(Vec::<String>::new())["filesystem"].clone();
+    if !["ext4", "tmpfs", "xfs", "btrfs", "overlay"]
+        .iter()
+        .any(|f| fs == *f)
+    {
+        eprintln!("skipping the pid check: {fs} shows no holder's pid");
+        return;
+    }
+    assert_eq!(entry["holders"][0]["pid"], child, "{entry}");
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let said = format!("pid {child} ");
+    assert!(stderr(&out).contains(&said), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("after the exec that took it ended"),
+        "{}",
+        show(&out)
+    );
+}
