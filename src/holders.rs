@@ -622,28 +622,31 @@ impl<'c> Look<'c> {
             // At that pid a live stowage process neither holds nor lists the lock: pid reused. Or
             // its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused):
             // the process whose fds hold it, where one can be found.
-            _ => Some(
-                match self
-                    .key_of(path)
-                    .map(crate::kernel::holding_through_own_fds)
-                {
-                    Some(pids) if !pids.is_empty() => Party {
-                        kept: true,
-                        ..Party::outsider(
-                            self.ctx,
-                            &Entry {
-                                pid: pids.first().copied(),
-                                ..e.clone()
-                            },
-                        )
-                    },
-                    _ => Party {
-                        host: Some(self.ctx.me.host.clone()),
-                        ..Party::unknown(e.mode)
-                    },
-                },
-            ),
+            _ => Some(self.kept_by(path, e).unwrap_or_else(|| Party {
+                host: Some(self.ctx.me.host.clone()),
+                ..Party::unknown(e.mode)
+            })),
         }
+    }
+
+    /// The local process whose own fds hold the lock at `path`, where the table's entry `e` names
+    /// one that no longer does: an exec's command's child, the exec ended.
+    fn kept_by(&self, path: &Path, e: &Entry) -> Option<Party> {
+        let pids = crate::kernel::holding_through_own_fds(self.key_of(path)?);
+        // A stowage process among them holds it, its command sharing its descriptor: its lease
+        // lists it a moment later, and none of them is an outsider.
+        if pids.iter().any(|&p| is_stowage(p)) {
+            return None;
+        }
+        let pid = *pids.first()?;
+        let e = Entry {
+            pid: Some(pid),
+            ..*e
+        };
+        Some(Party {
+            kept: true,
+            ..Party::outsider(self.ctx, &e)
+        })
     }
 
     /// Held, and no lease read before said so: the leases are read again, a few times a moment
@@ -789,6 +792,21 @@ pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
         s.push_str(&format!("; and {more} more (see 'stowage lock-status')"));
     }
     s
+}
+
+/// Whether local process `pid` runs this very program (unknown: taken as one, so never named an
+/// outsider).
+fn is_stowage(pid: u32) -> bool {
+    // An older binary replaced since (an upgrade) reads "PATH (deleted)".
+    let exe = |p: &str| {
+        let link = std::fs::read_link(format!("/proc/{p}/exe"))?.into_os_string();
+        let link = link.to_string_lossy().into_owned();
+        Ok::<_, std::io::Error>(link.trim_end_matches(" (deleted)").to_owned())
+    };
+    match (exe(&pid.to_string()), exe("self")) {
+        (Ok(theirs), Ok(ours)) => theirs == ours,
+        _ => true,
+    }
 }
 
 fn describe(p: &Party) -> String {
