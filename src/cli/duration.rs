@@ -71,9 +71,14 @@ impl TimeOption {
             "d" | "day" | "days" => 86_400.0,
             "w" | "week" | "weeks" => 604_800.0,
             // Lengths that vary, and M, which is a month to some and a minute to others.
-            "M" | "month" | "months" | "y" | "year" | "years" => {
+            "M" => {
                 return super::usage(format!(
-                    "{flag} '{raw}': months and years have no one length, and M reads as a minute or a month: give days (30d, 365d)"
+                    "{flag} '{raw}': M reads as a minute or a month: give m for minutes, days for months (30d)"
+                ));
+            }
+            "month" | "months" | "y" | "year" | "years" => {
+                return super::usage(format!(
+                    "{flag} '{raw}': months and years have no one length: give days (30d, 365d)"
                 ));
             }
             _ => return Err(bad().into()),

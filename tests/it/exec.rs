@@ -661,18 +661,24 @@ fn every_time_option_reads_one_grammar_and_says_it_alike() {
         assert!(help.contains(units), "{option}: {help}");
     }
     // Months and years have no one length (and M is a minute to some): refused, not guessed.
-    for (args, value) in [
-        (&["gc", "--unused-for", "1M"][..], "1M"),
-        (&["gc", "--unused-for", "6months"], "6months"),
-        (&["exec", "--wait", "1y", "--", "true"], "1y"),
+    // Each told what its own unit is.
+    for (args, says) in [
+        (
+            &["gc", "--unused-for", "1M"][..],
+            "'1M': M reads as a minute or a month",
+        ),
+        (
+            &["gc", "--unused-for", "6months"],
+            "'6months': months and years",
+        ),
+        (
+            &["exec", "--wait", "1y", "--", "true"],
+            "'1y': months and years",
+        ),
     ] {
         let out = env.run(args);
         assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
-        assert!(
-            stderr(&out).contains(&format!("'{value}': months and years")),
-            "{}",
-            show(&out)
-        );
+        assert!(stderr(&out).contains(says), "{}", show(&out));
     }
 }
 
