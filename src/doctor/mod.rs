@@ -205,7 +205,12 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
     }
     files::check(root, repair, store.ctx().shared(), report);
     let configured = configuration::check(root, repair, report)?;
-    let status = catalog(store, repair, report)?;
+    // A catalog that cannot be put right (set aside where the file may not be renamed) is said,
+    // and every other check still runs: the catalog is derived, the records say what matters.
+    let status = catalog(store, repair, report).unwrap_or_else(|e| {
+        let then = "images are still used and listed, from their records";
+        report.catalog(Problem, format!("{e:#}; {then}"))
+    });
     // A store still to migrate (a repair could not: its older catalog is held) has records only in
     // part: nothing more to judge until it is.
     if crate::migrate::is_legacy(root) {

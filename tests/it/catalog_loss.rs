@@ -999,3 +999,40 @@ fn sparse_catalogs_set_aside(env: &Env) {
         assert_eq!(env.state("a").as_deref(), Some("ready"), "{args:?}");
     }
 }
+
+/// A catalog stuck in WAL mode (its WAL, holding rows not yet written
+/// back, immutable) that a repair cannot set aside is said as a problem,
+/// and the report is made all the same (before: the repair stopped with
+/// one error line and no report).
+#[test]
+fn a_catalog_a_repair_cannot_set_aside_is_said_in_the_report() {
+    if !root_or_skip("chattr +i")
+        || !tool_or_skip("chattr", "e2fsprogs")
+        || !tool_or_skip("python3", "python3")
+    {
+        return;
+    }
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    let script = "import sqlite3, os, sys\n\
+                  c = sqlite3.connect(sys.argv[1], isolation_level=None)\n\
+                  c.execute('PRAGMA journal_mode=WAL'); c.execute('PRAGMA wal_autocheckpoint=0')\n\
+                  c.execute('CREATE TABLE IF NOT EXISTS t (x)'); c.execute('INSERT INTO t VALUES (1)')\n\
+                  os._exit(0)\n";
+    let made = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&db)
+        .status();
+    assert!(made.is_ok_and(|s| s.success()));
+    let wal = env.root.join("stowage.db-wal");
+    if !immutable(&wal, true) {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let out = env.run(["doctor", "--repair"]);
+    assert!(immutable(&wal, false));
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("PROBLEM  catalog"), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
+    env.ok(["exec", "--read", "app", "--", "true"]);
+}
