@@ -295,15 +295,15 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
         .or_else(|| Root::image_of_lock_file(file).map(|n| n.as_str().to_owned()))
         .unwrap_or_else(|| file.to_owned());
     let mut r = look.report(LockKind::Image, &name, &path);
-    // The record was read before the lock was looked at: a writer that finished between the two
-    // left it free, and a later record, read again (a fresh probe for any writer after it).
-    let first = std::cell::Cell::new(Some(r.state == Probe::Exclusive));
-    let probe = || {
-        first.take().unwrap_or_else(|| {
-            crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive)
-        })
-    };
+    // Whether a record in flight has its writer is asked of the lock after the record was read:
+    // the report's state may come of a lock table read before it, older than a writer begun since.
+    let probe =
+        || crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive);
     let (seen, alive) = crate::census::writer_judged(seen, read, probe);
+    // A writer begun after the table was read holds it now: the state said is the later one.
+    if alive && r.state == Probe::Free {
+        r.state = Probe::Exclusive;
+    }
     r.image_state = seen.record.as_ref().map(|rec| rec.state_seen(alive));
     (r, !seen.unrecorded())
 }

@@ -249,6 +249,28 @@ fn an_image_whose_writer_finishes_while_it_is_listed_is_never_shown_incomplete()
     }
 }
 
+/// A writer may begin after lock-status read the kernel's lock table and
+/// before it read the writer's record: the lock is looked at again, so the
+/// image shows as being written, never as a dead writer's `incomplete`.
+#[test]
+fn an_image_whose_writer_begins_while_it_is_listed_is_never_shown_incomplete() {
+    let env = Env::new();
+    env.make_image("y");
+    let (lister, go_on) = env.paused(["lock-status", "--all", "--json"], "status-table-read");
+    let writer = env.hold(&["--write", "y"], "started");
+    fs::remove_file(&go_on).unwrap();
+    let out = lister.finish();
+    writer.kill_all();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let y = (v["locks"].as_array().unwrap().iter())
+        .find(|l| l["name"] == "y")
+        .unwrap()
+        .clone();
+    assert_eq!(y["image_state"], "writing", "{y}");
+    assert_eq!(y["state"], "exclusive", "{y}");
+}
+
 /// An interval of 0 or less is refused (64) in the same words, which say
 /// what is accepted.
 #[test]
