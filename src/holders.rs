@@ -456,7 +456,11 @@ impl<'c> Look<'c> {
     /// inherited from a dead taker of that pid): `Some(false)` also if no process has the pid,
     /// `None` if that cannot be told (another user's process, no table).
     fn pid_holds(&self, pid: u32, path: &Path) -> Option<bool> {
-        let key = self.key_of(path)?;
+        self.pid_holds_key(pid, self.key_of(path)?)
+    }
+
+    /// [`Look::pid_holds`] by the file's (device, inode); each pid's fds read once per look.
+    fn pid_holds_key(&self, pid: u32, key: (u64, u64)) -> Option<bool> {
         let mut cache = self.fd_locks.borrow_mut();
         let held = cache
             .entry(pid)
@@ -632,7 +636,10 @@ impl<'c> Look<'c> {
     /// The local process whose own fds hold the lock at `path`, where the table's entry `e` names
     /// one that no longer does: an exec's command's child, the exec ended.
     fn kept_by(&self, path: &Path, e: &Entry) -> Option<Party> {
-        let pids = crate::kernel::holding_through_own_fds(self.key_of(path)?);
+        // Every process's fds are read once per look (`pid_holds`' cache), however many are kept.
+        let key = self.key_of(path)?;
+        let holds = |p: &u32| self.pid_holds_key(*p, key) == Some(true);
+        let pids: Vec<u32> = crate::kernel::pids().into_iter().filter(holds).collect();
         // A stowage process among them holds it, its command sharing its descriptor: its lease
         // lists it a moment later, and none of them is an outsider.
         if pids.iter().any(|&p| is_stowage(p)) {

@@ -117,18 +117,15 @@ pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     Some(held)
 }
 
-/// The local processes whose own fds hold a flock on the file `key` (device, inode): those that
-/// kept a lock the process the table names took (an exec's command's child, its exec ended). One
-/// look at every process's fds: only for a holder nothing else names.
-pub fn holding_through_own_fds(key: (u64, u64)) -> Vec<u32> {
+/// Every local process's pid, as `/proc` lists them now.
+pub fn pids() -> Vec<u32> {
     let Ok(procs) = fs::read_dir("/proc") else {
         return Vec::new();
     };
     let pids = procs
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok());
-    pids.filter(|&pid| locks_through_own_fds(pid).is_some_and(|held| held.contains(&key)))
-        .collect()
+    pids.collect()
 }
 
 /// Whether a `/proc/PID/fd` link names a lock file or lease (an unlinked one's ends "(deleted)").
