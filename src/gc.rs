@@ -97,9 +97,9 @@ pub struct Report {
     pub unknown: Vec<String>,
     /// Removed images whose emptied lock file could not be unlinked, one line each.
     pub lock_files_left: Vec<String>,
-    /// Nothing was measured (the images directory could not be judged): the sizes say nothing.
-    #[serde(skip)]
-    pub unmeasured: bool,
+    /// Whether the images were measured: not where their directory could not be judged, and
+    /// then `size_before` and `size_after` say nothing.
+    pub measured: bool,
 }
 
 impl Report {
@@ -129,7 +129,6 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let images_dir = config.images.path_in(store.root().dir());
     if let Some(why) = crate::images_dir::not_usable(store.root(), &images_dir) {
         report.failed.push(format!("no image removed: {why}"));
-        report.unmeasured = true;
         return Ok(report);
     }
     // Kept and reported, but counted: they take room in the images directory.
@@ -143,7 +142,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));
     let shares = (policy.max_size.is_some() || going) && disk_usage::can_share(&images_dir);
     let mut budget = Budget::new(store, &rows, &unlisted, shares, going)?;
-    report.size_before = budget.total;
+    (report.size_before, report.measured) = (budget.total, true);
     report.unknown = unknown(&rows, &unlisted);
     crate::debug::pause("gc-listed");
     rows.sort_by(oldest_first);

@@ -105,13 +105,14 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
         if dry_run { "would free" } else { "freed" },
         disk_usage::human(report.bytes_freed)
     );
-    line(match report.unmeasured {
-        true => freed,
-        false => format!(
+    line(if report.measured {
+        format!(
             "{freed}; images {} {}{budget}",
             if dry_run { "would use" } else { "now use" },
             disk_usage::human(report.size_after)
-        ),
+        )
+    } else {
+        freed
     });
     lines.iter().map(|l| format!("{l}\n")).collect()
 }

@@ -143,6 +143,9 @@ fn another_filesystem_over_the_external_images_directory_is_never_read_written_o
         // Nothing measured there: no usage is claimed.
         assert!(!stdout(&out).contains("images now use"), "{}", show(&out));
     }
+    let out = env.run(["gc", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["measured"], false, "{report}");
     assert_eq!(tree(&images), ["app", "app/data"]);
     assert_eq!(
         fs::read_to_string(images.join("app/data")).unwrap(),
