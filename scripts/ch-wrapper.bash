@@ -261,7 +261,10 @@ caller_ignores() {
     done 2>/dev/null </proc/$$/status
     defaults=''
     for sig in INT QUIT TERM HUP; do
-        n=$(kill -l "$sig")
+        # bash ignores SIGQUIT itself, always: what the caller did with it is
+        # read from SIGINT, which a caller that ignores both (a command run
+        # in the background without job control) ignores too.
+        n=$(kill -l "${sig/QUIT/INT}")
         [ -n "$mask" ] && (((16#$mask >> (n - 1)) & 1)) && continue
         defaults+=${defaults:+,}$sig
     done

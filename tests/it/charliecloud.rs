@@ -144,6 +144,17 @@ impl Ch {
     /// so builds only read it — but it briefly adds `imgtmp` to the storage
     /// directory, which no other ch-image command may see.
     fn import_base(&self) {
+        let mut import = self.ch_image(["import"]);
+        import.arg(self.base_tarball()).arg("base");
+        assert_ok(output(import));
+    }
+
+    /// The tarball [`Ch::import_base`] imports, made once.
+    fn base_tarball(&self) -> PathBuf {
+        let tarball = self.env.tmp.path().join("base.tar");
+        if tarball.exists() {
+            return tarball;
+        }
         let rootfs = self.env.tmp.path().join("rootfs");
         for d in ["bin", "etc", "tmp", "root"] {
             fs::create_dir_all(rootfs.join(d)).unwrap();
@@ -161,14 +172,10 @@ impl Ch {
         )
         .unwrap();
         fs::write(rootfs.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").unwrap();
-        let tarball = self.env.tmp.path().join("base.tar");
         let mut tar = Command::new("tar");
         tar.arg("-C").arg(&rootfs).arg("-cf").arg(&tarball).arg(".");
         assert_ok(output(tar));
-
-        let mut import = self.ch_image(["import"]);
-        import.arg(&tarball).arg("base");
-        assert_ok(output(import));
+        tarball
     }
 
     /// `stowage init --images-dir STORAGE/img`, adopting `base`.
@@ -1828,6 +1835,8 @@ fn ch_image_killed_alone_leaves_no_process_of_the_build_behind_its_locks() {
         let out = b.finish();
         let err = fs::read_to_string(&log).unwrap();
         assert_eq!(out.status.code(), Some(128 + sig), "{err}");
+        // No shell's own error about the ended build's /proc entry.
+        assert!(!err.contains("/cmdline"), "{err}");
         // At ch-build's exit, nothing of the build is left to write.
         let left = processes_mentioning(&format!("run-{id}"));
         assert!(left.is_empty(), "the RUN step outlived ch-build: {left:?}");
@@ -2191,6 +2200,24 @@ fn sigint_stops_a_build_whose_caller_ignores_sigterm() {
     assert!(processes_mentioning(&format!("run-{id}")).is_empty());
     assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
 }
+/// SIGQUIT (Ctrl-\) to ch-build stops the build, as SIGINT does: bash
+/// ignores SIGQUIT itself, always, so the wrapper took it for one its
+/// caller ignored and passed the ignore on to stowage and the build, which
+/// ran on to its end, exit 0, `ready`.
+#[test]
+fn sigquit_stops_a_build_as_sigint_does() {
+    let Some(ch) = Ch::new() else { return };
+    let id = "quit-5128";
+    ch.dockerfile("Dockerfile", &running_on(id));
+    let b = Bg::from_command(ch.ch_build(["-t", "app"]));
+    wait_for_file(&ch.img("app").join("started"));
+    assert!(!ignores(b.pid(), libc::SIGQUIT) || ignores(b.pid(), libc::SIGINT));
+    b.signal(libc::SIGQUIT);
+    let out = b.finish();
+    assert_eq!(out.status.code(), Some(131), "{}", show(&out));
+    assert!(processes_mentioning(&format!("run-{id}")).is_empty());
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+}
 /// A build that fails, or is stopped by SIGTERM, while another build of
 /// its tag waits for the lock, says it left the image incomplete. Before,
 /// the waiting build's hold of the lock made it say that its stowage had
@@ -2422,4 +2449,67 @@ fn a_user_signal_at_a_wrappers_start_is_dropped() {
     let out = output(c);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+}
+
+/// A member of a group store builds FROM an image another member built
+/// (not linked to the build cache, so the build gets a private copy of its
+/// ch/): the copy keeps no owners, as the build's user namespace maps no
+/// group store's group. Before, `cp -a` failed to keep them, and every
+/// such build exited 1: the seed's second layer, built by members, failed.
+#[test]
+fn a_group_stores_member_builds_from_an_image_another_member_built() {
+    if !root_or_skip("acting as a group store's members") {
+        return;
+    }
+    let Some(ch) = Ch::new() else { return };
+    let w = ch.env.tmp.path().join("group");
+    fs::create_dir(&w).unwrap();
+    for d in [ch.env.tmp.path(), w.as_path()] {
+        std::os::unix::fs::chown(d, None, Some(100)).unwrap();
+        let mode = if d == w { 0o2775 } else { 0o755 };
+        fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+    }
+    let tarball = ch.base_tarball();
+    fs::set_permissions(
+        &tarball,
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .unwrap();
+    for (dir, from) in [("c1", "base"), ("c2", "mid")] {
+        fs::create_dir(w.join(dir)).unwrap();
+        fs::write(
+            w.join(dir).join("Dockerfile"),
+            format!("FROM {from}\nRUN echo x > /{dir}\n"),
+        )
+        .unwrap();
+    }
+    let script =
+        "umask 002; export HOME=$W CH_IMAGE_STORAGE=$W/st STOWAGE_ROOT=$W/st.stowage; cd $W
+        if [ $1 = first ]; then
+            ch-image import \"$TAR\" base && stowage init --group 100 --images-dir $W/st/img &&
+            \"$CH_BUILD\" -t mid c1
+        else \"$CH_BUILD\" -t app c2; fi";
+    for (uid, step) in [(64001, "first"), (64002, "second")] {
+        let mut c = ch.command("setpriv");
+        c.args([
+            &format!("--reuid={uid}"),
+            "--regid=100",
+            "--groups=100",
+            "--",
+            "bash",
+            "-c",
+            script,
+            "bash",
+            step,
+        ])
+        .env("W", &w)
+        .env("TAR", &tarball)
+        .env(
+            "CH_BUILD",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(CH_BUILD),
+        )
+        .env("USER", format!("member{uid}"));
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{step}: {}", show(&out));
+    }
 }
