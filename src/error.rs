@@ -75,8 +75,7 @@ pub enum Error {
 
     /// The root is a directory that holds no store (exit 66): a command that reads creates
     /// nothing there, one that writes makes a store only in an empty one; `init` is asked to.
-    #[error("root {} holds no store{} (mistyped? 'stowage --root {} init' makes it one)",
-        dir.display(), held.as_ref().map_or(String::new(), |h| format!(": it holds '{h}' but no 'locks' directory")), dir.display())]
+    #[error("root {} holds no store{}", dir.display(), not_a_store_detail(dir, held.as_deref()))]
     NotAStore { dir: PathBuf, held: Option<String> },
 
     /// The image exists but cannot be read in its state (exit 66).
@@ -229,6 +228,16 @@ pub fn without_errno(text: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// What [`Error::NotAStore`] says after "holds no store": what the root holds, and the way out. A
+/// `locks` that is no directory is its owner's: `init` would refuse it.
+fn not_a_store_detail(dir: &std::path::Path, held: Option<&str>) -> String {
+    match held {
+        Some("locks") => ": its 'locks' is no directory of a store (mistyped? move it away, or name another root)".into(),
+        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? 'stowage --root {} init' makes it one)", dir.display()),
+        None => format!(" (mistyped? 'stowage --root {} init' makes it one)", dir.display()),
+    }
 }
 
 #[cfg(test)]
