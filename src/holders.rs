@@ -51,8 +51,9 @@ pub struct Party {
     /// An exclusive lock taken only to read (`--read-exclusive`).
     #[serde(skip)]
     pub reading: bool,
-    /// A process that kept a lock the exec that took it no longer holds (its command's child).
-    #[serde(skip)]
+    /// A process that kept a lock the exec that took it no longer holds (its command's child):
+    /// as JSON `"kept": true`, only then.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub kept: bool,
     /// Where `pid` names the process: JSON says it, since a container shares the host name.
     #[serde(serialize_with = "pid_space_json")]

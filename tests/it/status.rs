@@ -1160,6 +1160,7 @@ fn a_lock_kept_by_an_ended_execs_child_names_that_child() {
         return;
     }
     assert_eq!(entry["holders"][0]["pid"], child, "{entry}");
+    assert_eq!(entry["holders"][0]["kept"], true, "{entry}");
     assert_eq!(code(&out), Some(75), "{}", show(&out));
     let said = format!("pid {child} ");
     assert!(stderr(&out).contains(&said), "{}", show(&out));
