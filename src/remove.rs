@@ -68,7 +68,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     };
     let state = before.state_seen(false);
     let (images, tree) = images_dir_of(root, &held.name, &before)?;
-    let trash = root.open_or_make_sub("trash")?;
+    let trash = root.open_trash()?;
     let mut bytes = size.or_else(|| disk_usage::freed_by_deleting(&tree).ok());
     // 1. The record says so first, durably.
     let mut deleting = before.clone();
@@ -187,7 +187,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
         return Ok(0);
     };
     let images_dir = crate::images_dir::of_record(root, record)?;
-    let trash = root.open_or_make_sub("trash")?;
+    let trash = root.open_trash()?;
     let opened = root.open_images_dir(&images_dir);
     let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
         .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
@@ -343,6 +343,10 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         Err(_) if root.trash().symlink_metadata().is_err() => return Ok(out),
         Err(e) => return Err(e),
     };
+    if let Err(e) = root.refuse_other_mount(&trash, &root.trash()) {
+        out.failed.push(format!("{e:#}"));
+        return Ok(out);
+    }
     for entry in trash
         .names()
         .with_context(|| format!("cannot list {}", root.trash().display()))?

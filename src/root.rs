@@ -253,6 +253,29 @@ impl Root {
         root.sub(name).map_err(|e| not_a_dir(&at, e))
     }
 
+    /// The trash, made if missing, refused unless on the root's own mount: a filesystem mounted on
+    /// its place is not the store's, and a removal's walk there would delete what it holds.
+    pub fn open_trash(&self) -> Result<Dir> {
+        let trash = self.open_or_make_sub("trash")?;
+        self.refuse_other_mount(&trash, &self.trash())?;
+        Ok(trash)
+    }
+
+    /// Refuses `d` (the layout's directory at `path`) unless it is on the root's own mount (where
+    /// either mount id cannot be told, as it is).
+    pub fn refuse_other_mount(&self, d: &Dir, path: &Path) -> Result<()> {
+        let root = self.open()?;
+        if let (Ok(Some(here)), Ok(Some(ours))) = (d.mount_id(), root.mount_id())
+            && here != ours
+        {
+            let at = path.display();
+            anyhow::bail!(
+                "{at} is another filesystem mounted there, not the store's: nothing in it is moved or deleted (unmount it)"
+            );
+        }
+        Ok(())
+    }
+
     /// Unlinks a lock file we hold exclusively, only the very file we locked, after marking it gone
     /// (`lock::acquire_no_wait_with`). Kept on a filesystem not known to be local.
     pub fn unlink_lock(&self, guard: crate::lock::Guard) -> Result<()> {

@@ -835,7 +835,7 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     let name = img.held.name.clone();
     let record = img.held.seen.record.clone().expect("a deleting record");
     let dir = crate::images_dir::of_record(root, &record)?;
-    let trash = root.open_or_make_sub("trash")?;
+    let trash = root.open_trash()?;
     if let Ok(opened) = root.open_images_dir(&dir) {
         let images = crate::images_dir::confirmed(root, &dir, Ok(opened))?;
         if images.stat_at(name.encoded())?.is_some() {

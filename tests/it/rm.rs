@@ -639,3 +639,45 @@ fn a_new_tree_over_an_interrupted_removal_is_the_image() {
     assert_eq!(env.read_in_image("app", "file"), "new\n");
     env.ok(["doctor"]);
 }
+
+/// A directory bind-mounted on the trash's place (another store's images,
+/// a user's files) is not the store's: gc, doctor --repair and rm delete
+/// and move nothing there, and say so (before: gc emptied it, destroying
+/// another store's ready image).
+#[test]
+fn a_filesystem_mounted_on_the_trash_is_never_emptied() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("app");
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir_all(outside.join("sub")).unwrap();
+    fs::write(outside.join("sub/precious"), "precious").unwrap();
+    let trash = env.root.join("trash");
+    let Some(mount) = Mount::at(&["--bind", outside.to_str().unwrap()], &trash) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let runs = [
+        env.run(["gc"]),
+        env.run(["doctor", "--repair"]),
+        env.run(["rm", "app"]),
+    ];
+    drop(mount);
+    for out in &runs {
+        assert_eq!(code(out), Some(1), "{}", show(out));
+        let said = format!("{}{}", stdout(out), stderr(out));
+        assert!(
+            said.contains("another filesystem mounted there"),
+            "{}",
+            show(out)
+        );
+    }
+    assert_eq!(
+        fs::read_to_string(outside.join("sub/precious")).unwrap(),
+        "precious"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "app", "--", "true"]);
+}
