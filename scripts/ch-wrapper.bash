@@ -261,11 +261,14 @@ caller_ignores() {
     done 2>/dev/null </proc/$$/status
     defaults=''
     for sig in INT QUIT TERM HUP; do
-        # bash ignores SIGQUIT itself, always: what the caller did with it is
-        # read from SIGINT, which a caller that ignores both (a command run
-        # in the background without job control) ignores too.
-        n=$(kill -l "${sig/QUIT/INT}")
-        [ -n "$mask" ] && (((16#$mask >> (n - 1)) & 1)) && continue
+        n=$(kill -l "$sig")
+        if [ "$sig" = QUIT ]; then
+            # bash ignores SIGQUIT itself, always, so the kernel's mask says
+            # nothing of the caller; `trap -p` shows one ignored on entry.
+            [ -n "$(trap -p QUIT)" ] && continue
+        elif [ -n "$mask" ] && (((16#$mask >> (n - 1)) & 1)); then
+            continue
+        fi
         defaults+=${defaults:+,}$sig
     done
 }

@@ -2200,23 +2200,46 @@ fn sigint_stops_a_build_whose_caller_ignores_sigterm() {
     assert!(processes_mentioning(&format!("run-{id}")).is_empty());
     assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
 }
-/// SIGQUIT (Ctrl-\) to ch-build stops the build, as SIGINT does: bash
-/// ignores SIGQUIT itself, always, so the wrapper took it for one its
-/// caller ignored and passed the ignore on to stowage and the build, which
-/// ran on to its end, exit 0, `ready`.
+/// SIGQUIT (Ctrl-\) to ch-build stops the build, as SIGINT does, whether
+/// or not its caller ignores SIGINT; a caller's ignore of SIGQUIT itself is
+/// kept, and the build goes on. bash ignores SIGQUIT itself, always: read
+/// from the kernel's mask, every SIGQUIT was taken for an ignored one (the
+/// build ran on, exit 0, `ready`), and read from SIGINT's, a caller's lone
+/// ignore of either was misread.
 #[test]
-fn sigquit_stops_a_build_as_sigint_does() {
+fn sigquit_stops_a_build_unless_its_caller_ignores_sigquit() {
     let Some(ch) = Ch::new() else { return };
-    let id = "quit-5128";
-    ch.dockerfile("Dockerfile", &running_on(id));
-    let b = Bg::from_command(ch.ch_build(["-t", "app"]));
-    wait_for_file(&ch.img("app").join("started"));
-    assert!(!ignores(b.pid(), libc::SIGQUIT) || ignores(b.pid(), libc::SIGINT));
-    b.signal(libc::SIGQUIT);
-    let out = b.finish();
-    assert_eq!(out.status.code(), Some(131), "{}", show(&out));
-    assert!(processes_mentioning(&format!("run-{id}")).is_empty());
-    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+    for (i, ignored) in ["", "INT", "QUIT"].into_iter().enumerate() {
+        let (tag, id) = (format!("app{i}"), format!("quit{i}-5128"));
+        ch.dockerfile("Dockerfile", &running_on(&id));
+        let mut c = ch.command("bash");
+        let trap = if ignored.is_empty() {
+            String::new()
+        } else {
+            format!("trap '' {ignored}; ")
+        };
+        c.args([
+            "-c",
+            &format!("{trap}exec \"$@\""),
+            "bash",
+            CH_BUILD,
+            "-t",
+            &tag,
+        ])
+        .arg(&ch.ctx);
+        let b = Bg::from_command(c);
+        wait_for_file(&ch.img(&tag).join("started"));
+        b.signal(libc::SIGQUIT);
+        let out = b.finish();
+        if ignored == "QUIT" {
+            assert_ok_ref(&out);
+            assert_eq!(ch.env.state(&tag).as_deref(), Some("ready"));
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(131), "{ignored}: {}", show(&out));
+        assert!(processes_mentioning(&format!("run-{id}")).is_empty());
+        assert_eq!(ch.env.state(&tag).as_deref(), Some("incomplete"));
+    }
 }
 /// A build that fails, or is stopped by SIGTERM, while another build of
 /// its tag waits for the lock, says it left the image incomplete. Before,
@@ -2511,5 +2534,16 @@ fn a_group_stores_member_builds_from_an_image_another_member_built() {
         .env("USER", format!("member{uid}"));
         let out = output(c);
         assert_eq!(out.status.code(), Some(0), "{step}: {}", show(&out));
+        // An ACL naming an id the second member's namespace does not map, which no copy keeps.
+        let meta = w.join("st/img/mid/ch/metadata.json");
+        if step == "first"
+            && !Command::new("setfacl")
+                .args(["-m", "u:64003:rw"])
+                .arg(&meta)
+                .status()
+                .is_ok_and(|s| s.success())
+        {
+            eprintln!("no ACL on the base's metadata: setfacl failed or is missing");
+        }
     }
 }
