@@ -492,10 +492,11 @@ impl<'c> Look<'c> {
             self.leased(&listing, entries.as_deref(), state, &mut claimed);
         let mut vanished = false;
         for (e, _) in entries.iter().flatten().zip(claimed).filter(|(_, c)| !c) {
-            match self.unclaimed(&listing, path, &rel, e) {
-                Some(party) if e.blocked => waiters.push(party),
-                Some(party) => holders.push(party),
-                None => vanished |= !e.blocked,
+            let parties = self.unclaimed(&listing, path, &rel, e);
+            vanished |= parties.is_empty() && !e.blocked;
+            match e.blocked {
+                true => waiters.extend(parties),
+                false => holders.extend(parties),
             }
         }
         // A holder the table showed is gone since: the lock may be free.
@@ -581,8 +582,9 @@ impl<'c> Look<'c> {
         party
     }
 
-    /// The party of a table entry no live lease claimed; `None` if gone since the table was read.
-    fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
+    /// The parties of a table entry no live lease claimed (several: the children that kept a lock
+    /// their ended exec took); none if gone since the table was read.
+    fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Vec<Party> {
         // Whether the entry's pid holds the lock itself (a waiter, blocked on it, is that process).
         let holds = match e.pid {
             Some(pid) if !e.blocked => self.pid_holds(pid, path),
@@ -601,10 +603,10 @@ impl<'c> Look<'c> {
             })
         });
         if let Some((n, id, h)) = dead {
-            return Some(Party {
+            return vec![Party {
                 pid: None,
                 ..Party::leased(n, id, h)
-            });
+            }];
         }
         // A stowage process holding the lock before its lease lists it: its lease's taker, unless
         // its pid is known not to hold it (reused since); if unknown, only one listing it.
@@ -615,45 +617,70 @@ impl<'c> Look<'c> {
         match self.lease_of_pid(path, e) {
             Some((n, id)) if fits(&id) => {
                 let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
-                Some(Party {
+                vec![Party {
                     since: id.since,
                     pid: e.pid,
                     pid_space: PidSpace::Here,
                     ..Party::leased(&n, &id, &h)
-                })
+                }]
             }
-            None if !self.still_there(path, e) => None,
-            None if e.blocked || gone.is_none() => Some(Party::outsider(self.ctx, e)),
+            None if !self.still_there(path, e) => Vec::new(),
+            None if e.blocked || gone.is_none() => vec![Party::outsider(self.ctx, e)],
             // At that pid a live stowage process neither holds nor lists the lock: pid reused. Or
             // its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused):
-            // the process whose fds hold it, where one can be found.
-            _ => Some(self.kept_by(path, e).unwrap_or_else(|| Party {
-                host: Some(self.ctx.me.host.clone()),
-                ..Party::unknown(e.mode)
-            })),
+            // the processes whose fds hold it, where they can be found.
+            _ => {
+                let kept = self.kept_by(path, rel, e);
+                if !kept.is_empty() {
+                    return kept;
+                }
+                vec![Party {
+                    host: Some(self.ctx.me.host.clone()),
+                    ..Party::unknown(e.mode)
+                }]
+            }
         }
     }
 
-    /// The local process whose own fds hold the lock at `path`, where the table's entry `e` names
-    /// one that no longer does: an exec's command's child, the exec ended.
-    fn kept_by(&self, path: &Path, e: &Entry) -> Option<Party> {
-        // Every process's fds are read once per look (`pid_holds`' cache), however many are kept.
-        let key = self.key_of(path)?;
-        let holds = |p: &u32| self.pid_holds_key(*p, key) == Some(true);
-        let pids: Vec<u32> = crate::kernel::pids().into_iter().filter(holds).collect();
-        // A stowage process among them holds it, its command sharing its descriptor: its lease
-        // lists it a moment later, and none of them is an outsider.
-        if pids.iter().any(|&p| is_stowage(p)) {
-            return None;
-        }
-        let pid = *pids.first()?;
-        let e = Entry {
-            pid: Some(pid),
-            ..*e
+    /// The local processes whose own fds hold the lock at `path` (`rel`), where the table's entry
+    /// `e` names one that no longer does: children of an exec that ended, which kept its lock.
+    fn kept_by(&self, path: &Path, rel: &str, e: &Entry) -> Vec<Party> {
+        let Some(key) = self.key_of(path) else {
+            return Vec::new();
         };
-        Some(Party {
+        // Every process's fds are read once per look (`pid_holds`' cache), however many are kept.
+        let holds = |p: &u32| self.pid_holds_key(*p, key) == Some(true);
+        let pids = crate::ident::numbered::<u32>("/proc").into_iter().flatten();
+        let pids: Vec<u32> = pids.map(|(p, _)| p).filter(holds).collect();
+        let (stowage, others): (Vec<u32>, Vec<u32>) =
+            pids.into_iter().partition(|&p| is_stowage(p));
+        // A stowage process no live lease explains may list the lock a moment later: none named.
+        if !stowage.iter().all(|&p| self.lists(p, rel)) {
+            return Vec::new();
+        }
+        // One below a stowage holder shares its descriptor: that exec's command, or its child.
+        let kept = others
+            .into_iter()
+            .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a)));
+        let party = |pid| Party {
             kept: true,
-            ..Party::outsider(self.ctx, &e)
+            ..Party::outsider(
+                self.ctx,
+                &Entry {
+                    pid: Some(pid),
+                    ..*e
+                },
+            )
+        };
+        kept.map(party).collect()
+    }
+
+    /// Whether a live lease lists the lock `rel` as held by local process `pid`.
+    fn lists(&self, pid: u32, rel: &str) -> bool {
+        self.said.iter().any(|(n, id)| {
+            (self.taker(id) == Some(pid) || id.pid == Some(pid) && id.pid_is_ours())
+                && id.holdings.iter().any(|h| h.lockfile == rel && !h.awaits)
+                && self.alive(n)
         })
     }
 
@@ -800,6 +827,19 @@ pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
         s.push_str(&format!("; and {more} more (see 'stowage lock-status')"));
     }
     s
+}
+
+/// The processes above local process `pid`: its parent, its parent's, … (to pid 1, at most 64).
+fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
+    let parent = |&p: &u32| {
+        let ppid: u32 = ident::stat_fields(p)?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        (ppid > 1).then_some(ppid)
+    };
+    std::iter::successors(Some(pid), parent).skip(1).take(64)
 }
 
 /// Whether local process `pid` runs this very program (unknown: taken as one, so never named an

@@ -117,17 +117,6 @@ pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     Some(held)
 }
 
-/// Every local process's pid, as `/proc` lists them now.
-pub fn pids() -> Vec<u32> {
-    let Ok(procs) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let pids = procs
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok());
-    pids.collect()
-}
-
 /// Whether a `/proc/PID/fd` link names a lock file or lease (an unlinked one's ends "(deleted)").
 fn is_lock_name(target: &Path) -> bool {
     let name = target.to_string_lossy();

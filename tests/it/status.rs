@@ -1170,3 +1170,47 @@ fn a_lock_kept_by_an_ended_execs_child_names_that_child() {
         show(&out)
     );
 }
+
+/// Every child that kept a read lock after its exec ended is named, each
+/// with `"kept": true`, beside a reader whose exec holds it now (its
+/// command shares its descriptor and is named by its lease). Before, a
+/// live reader made the kept ones "unknown … or on another host", and of
+/// two kept children only one was named.
+#[test]
+fn every_child_that_kept_a_lock_is_named_beside_a_live_reader() {
+    let env = Env::new();
+    env.make_image("b");
+    let pids = env.sentinel("kids");
+    let script = format!(
+        "sleep 60 >/dev/null 2>&1 & a=$!; sleep 61 >/dev/null 2>&1 & echo $a $! > '{}'",
+        pids.display()
+    );
+    env.ok(["exec", "--read", "b", "--", "sh", "-c", &script]);
+    let kids: Vec<u64> = (fs::read_to_string(&pids).unwrap().split_whitespace())
+        .map(|p| p.parse().unwrap())
+        .collect();
+    let reader = env.hold(&["--read", "b"], "reading");
+    let entry = env.lock_entry("b").unwrap();
+    reader.kill_all();
+    for &k in &kids {
+        // SAFETY: pids of processes this test started.
+        unsafe { libc::kill(k as i32, libc::SIGKILL) };
+    }
+    let fs = env.status_json(Vec::<String>::new())["filesystem"].clone();
+    if !["ext4", "tmpfs", "xfs", "btrfs", "overlay"]
+        .iter()
+        .any(|f| fs == *f)
+    {
+        eprintln!("skipping: {fs} shows no holder's pid");
+        return;
+    }
+    let holders = entry["holders"].as_array().unwrap();
+    let kept: Vec<u64> = (holders.iter())
+        .filter(|h| h["kept"] == true)
+        .filter_map(|h| h["pid"].as_u64())
+        .collect();
+    assert_eq!(kept.len(), 2, "{entry}");
+    assert!(kids.iter().all(|k| kept.contains(k)), "{entry}");
+    assert!(holders.iter().any(|h| h["stowage"] == true), "{entry}");
+    assert!(holders.iter().all(|h| !h["pid"].is_null()), "{entry}");
+}
