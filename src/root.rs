@@ -138,19 +138,16 @@ impl Root {
         let parts = Self::LAYOUT_DIRS.iter().chain(&Self::LAYOUT_FILES);
         // The configuration is written under a temporary name first (`config.rs`).
         let writing = format!(".{}.", crate::config::FILE);
-        // A `locks` that is no directory is no part either: its maker is not stowage.
-        let locks =
-            |e: &fs::DirEntry| e.file_name() == "locks" && e.file_type().is_ok_and(|t| !t.is_dir());
+        // A `locks` that is no directory is no part either, and named first: `init` refuses it.
+        let foreign_locks = fs::symlink_metadata(self.dir.join("locks")).is_ok_and(|m| !m.is_dir());
         let held = fs::read_dir(&self.dir).ok().and_then(|entries| {
-            let name = entries.flatten().find(|e| {
-                let n = e.file_name();
+            let name = entries.flatten().map(|e| e.file_name()).find(|n| {
                 let n = n.to_string_lossy();
-                locks(e)
-                    || !parts.clone().any(|p| *p == n)
-                        && n != "stowage.db-journal"
-                        && !n.starts_with(&writing)
-            })?;
-            let name = name.file_name();
+                !parts.clone().any(|p| *p == n)
+                    && n != "stowage.db-journal"
+                    && !n.starts_with(&writing)
+            });
+            let name = if foreign_locks { "locks".into() } else { name? };
             Some(crate::ident::printable(&name.to_string_lossy()).into_owned())
         });
         crate::Error::NotAStore {
