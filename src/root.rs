@@ -40,6 +40,18 @@ impl Root {
             let e = "STOWAGE_ROOT is set but empty (is a variable unset? unset STOWAGE_ROOT for the default root)";
             return Err(crate::Error::Usage(e.to_owned()).into());
         }
+        // Only blanks: a variable unset inside quotes, never a directory of blanks in the cwd.
+        let blank = |d: &std::ffi::OsStr| d.as_encoded_bytes().iter().all(u8::is_ascii_whitespace);
+        let given = flag.map(Path::as_os_str).or(env.as_deref());
+        if given.is_some_and(|d| !d.is_empty() && blank(d)) {
+            let from = if flag.is_some() {
+                "--root"
+            } else {
+                "STOWAGE_ROOT"
+            };
+            let e = format!("{from}: the root given is only blanks (is a variable unset?)");
+            return Err(crate::Error::Usage(e).into());
+        }
         let named = flag.map(Path::to_owned).or_else(|| env.map(PathBuf::from));
         let default = named.is_none();
         let dir = named

@@ -2057,4 +2057,19 @@ fn an_empty_stowage_root_is_refused_not_taken_for_the_default() {
         );
         assert!(!default.exists(), "{args:?} made the default root");
     }
+    // Only blanks, either way: refused, no directory of blanks made where it runs.
+    let cwd = tempfile::tempdir().unwrap();
+    for how in ["env", "flag"] {
+        let mut c = Command::new(bin());
+        c.current_dir(cwd.path()).env("USER", &user);
+        match how {
+            "env" => c.env("STOWAGE_ROOT", " \t"),
+            _ => c.env_remove("STOWAGE_ROOT").args(["--root", " "]),
+        };
+        c.args(["exec", "--write", "a", "--", "true"]);
+        let out = output(c);
+        assert_eq!(code(&out), Some(64), "{how}: {}", show(&out));
+        assert!(stderr(&out).contains("only blanks"), "{}", show(&out));
+        assert_eq!(fs::read_dir(cwd.path()).unwrap().count(), 0, "{how}");
+    }
 }
