@@ -84,8 +84,9 @@ pub struct Catalog<'a> {
 
 /// Opens the catalog file (not yet a transaction), refusing anything planted at its files.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
-    check_files(path)?;
-    leave_outside_wal(path)?;
+    if check_files(path)?.as_ref().is_some_and(says_wal) {
+        leave_outside_wal(path)?;
+    }
     // SQLite names nothing it could not open: what was put in the catalog's place since, if any.
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE;
     connect(path, flags).map_err(|e| {
@@ -112,11 +113,14 @@ pub fn beside(db: &Path, suffix: &str) -> PathBuf {
 }
 
 /// Checks that every file SQLite may open for the catalog at `db` is missing or a regular file.
-pub fn check_files(db: &Path) -> Result<()> {
-    for (path, what) in files(db) {
+/// Returns the catalog itself, opened for reading, if it is there.
+pub fn check_files(db: &Path) -> Result<Option<std::fs::File>> {
+    let [(path, what), rest @ ..] = files(db);
+    let catalog = check_plain_file(&path, what)?;
+    for (path, what) in rest {
         check_plain_file(&path, what)?;
     }
-    Ok(())
+    Ok(catalog)
 }
 
 /// Every file SQLite may open for the catalog at `db`, with what it is.
@@ -130,11 +134,11 @@ pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
 }
 
 /// Fails unless `path` is missing or a regular file: opened without following a link and without
-/// blocking (a FIFO's open would wait), then asked what it is.
-pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
+/// blocking (a FIFO's open would wait), then asked what it is. Returns it opened, if there.
+pub fn check_plain_file(path: &Path, what: &str) -> Result<Option<std::fs::File>> {
     let opened = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
+        .custom_flags(crate::planted::FLAGS)
         .open(path);
     // A stale handle: another host removed the file (a journal at its commit) since the lookup.
     let gone = |e: &std::io::Error| {
@@ -144,13 +148,13 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         // SQLite writes in place: not through a file with other names.
         Ok(f) => match f.metadata() {
             Ok(m) => match crate::planted::kind_of(m.mode(), m.nlink()) {
-                None => return Ok(()),
+                None => return Ok(Some(f)),
                 Some(kind) => kind,
             },
-            Err(e) if gone(&e) => return Ok(()),
+            Err(e) if gone(&e) => return Ok(None),
             Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", path.display())),
         },
-        Err(e) if gone(&e) => return Ok(()),
+        Err(e) if gone(&e) => return Ok(None),
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => "a symlink",
         // A socket cannot be opened at all (ENXIO); a directory can.
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => "a socket",
@@ -369,13 +373,18 @@ fn said(err: &anyhow::Error, codes: &[ErrorCode]) -> bool {
 /// Whether the database at `db` says it is in WAL mode: its read version (header byte 19) is 2,
 /// and SQLite opens its WAL and the WAL's index to read it. One read, no link followed, no wait.
 pub fn in_wal(db: &Path) -> bool {
-    use std::os::unix::fs::FileExt as _;
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .custom_flags(crate::planted::FLAGS)
         .open(db);
+    file.is_ok_and(|f| says_wal(&f))
+}
+
+/// [`in_wal`] of the catalog already open: one read.
+fn says_wal(file: &std::fs::File) -> bool {
+    use std::os::unix::fs::FileExt as _;
     let mut byte = [0u8];
-    file.is_ok_and(|f| f.read_at(&mut byte, 19).is_ok_and(|n| n == 1) && byte[0] == 2)
+    file.read_at(&mut byte, 19).is_ok_and(|n| n == 1) && byte[0] == 2
 }
 
 /// Why the file at `db`, read in pages of `page` bytes, is no catalog for its length alone, if it
@@ -396,9 +405,6 @@ const SWITCHED: &str = "the catalog was switched to WAL by another program";
 /// then on a connection in exclusive locking mode, which keeps the index in its own memory (and
 /// the file to itself while it lives, as the global lock keeps the catalog to us anyway).
 fn leave_outside_wal(db: &Path) -> Result<()> {
-    if !in_wal(db) {
-        return Ok(());
-    }
     let rw = OpenFlags::SQLITE_OPEN_READ_WRITE;
     let leave = |exclusive: bool| {
         let conn = connect(db, rw)?;
@@ -513,19 +519,23 @@ pub enum Legacy {
 pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();
-    check_files(&path)?;
+    let wal = check_files(&path)?.as_ref().is_some_and(says_wal);
     let found = if !path.is_file() {
         Ok(Found::Replaced("missing".into()))
     } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
         Err(busy_again(&path))
     } else {
-        leave_outside_wal(&path)
-            .and_then(|()| {
-                connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-                    .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
-                    .map_err(anyhow::Error::from)
-            })
-            .and_then(|conn| inspect_in(&conn, root))
+        (if wal {
+            leave_outside_wal(&path)
+        } else {
+            Ok(())
+        })
+        .and_then(|()| {
+            connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+                .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
+                .map_err(anyhow::Error::from)
+        })
+        .and_then(|conn| inspect_in(&conn, root))
     };
     let why = match found {
         Ok(Found::Legacy(v)) => return Ok(Some(Legacy::Catalog(v))),

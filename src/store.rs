@@ -146,7 +146,7 @@ impl Store {
         let id = file_id(&db);
         if self.conn.as_ref().is_some_and(|(_, file)| *file == id) {
             // SQLite opens the journal each transaction: anything planted there since is refused.
-            return catalog::check_files(&db);
+            return catalog::check_files(&db).map(drop);
         }
         self.conn = None;
         let conn = self.open_settled()?;
