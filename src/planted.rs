@@ -292,9 +292,7 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
         "its group may not search it".to_owned()
     } else if mode & 0o040 == 0 {
         "its group may not read it".to_owned()
-    } else if let Some(p) =
-        acl_group_perms(path, false).filter(|p| p & 6 != 6 || (dir && p & 1 == 0))
-    {
+    } else if let Some(p) = acl_short(path, false, dir) {
         format!("its ACL gives its group only {}", rwx(p))
     } else {
         "it is not open to its group".to_owned()
@@ -309,7 +307,7 @@ pub const ACCESS_ACL: &std::ffi::CStr = c"system.posix_acl_access";
 
 /// What the owning group may do (0o7: rwx) by the access ACL of `path` (of the file it names if
 /// `follow`), if it has one: the mode's group bits then show the ACL's mask, not the group's due.
-pub fn acl_group_perms(path: &Path, follow: bool) -> Option<u32> {
+fn acl_group_perms(path: &Path, follow: bool) -> Option<u32> {
     let c = cstr(path.as_os_str()).ok()?;
     let get = if follow {
         libc::getxattr
@@ -330,6 +328,13 @@ pub fn acl_group_perms(path: &Path, follow: bool) -> Option<u32> {
     let acl = buf.get(4..usize::try_from(n).ok()?)?;
     let group = acl.chunks_exact(8).find(|e| e[..2] == 4u16.to_le_bytes())?;
     Some(u32::from(u16::from_le_bytes([group[2], group[3]])) & 7)
+}
+
+/// What the access ACL of `path` (followed if `follow`) lets a group store's group do, where that
+/// is less than a part needs: read and write, and search on a directory (`dir`).
+pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
+    let need = if dir { 7 } else { 6 };
+    acl_group_perms(path, follow).filter(|p| p & need != need)
 }
 
 /// "r-x" for 0o5.

@@ -119,8 +119,7 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
                 root.dir().join(&rel),
             );
             let default_acl = dir && has_default_acl(&path);
-            let acl_group =
-                crate::planted::acl_group_perms(&path, false).filter(|p| lacks(*p, dir));
+            let acl_group = crate::planted::acl_short(&path, false, dir);
             let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
             (!fine || acl_group.is_some()).then(|| Wrong {
                 rel,
@@ -133,12 +132,6 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
             })
         })
         .collect()
-}
-
-/// Whether an ACL's permissions `p` for the group lack what a part needs (rw, and x on a directory).
-fn lacks(p: u32, dir: bool) -> bool {
-    let need = if dir { 7 } else { 6 };
-    p & need != need
 }
 
 /// The extended attribute holding a directory's default ACL.
@@ -258,8 +251,7 @@ pub fn images_dir_lacks(st: &libc::stat, shown: &Path, gid: u32) -> Option<Strin
         "is not setgid and group-writable".to_owned()
     } else if has_default_acl(shown) {
         "has a default ACL, which keeps what members make in it private".to_owned()
-    } else if let Some(p) = crate::planted::acl_group_perms(shown, true).filter(|p| lacks(*p, true))
-    {
+    } else if let Some(p) = crate::planted::acl_short(shown, true, true) {
         format!(
             "has an ACL that gives its group only {}",
             crate::planted::rwx(p)
@@ -299,7 +291,7 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     }
     // An access ACL shutting the group out goes: with none, the mode's group bits are the group's.
     let proc = std::path::PathBuf::from(format!("/proc/self/fd/{raw}"));
-    if crate::planted::acl_group_perms(&proc, true).is_some_and(|p| lacks(p, dir)) {
+    if crate::planted::acl_short(&proc, true, dir).is_some() {
         let proc = crate::error::cstr(proc.as_os_str())?;
         // SAFETY: a C string of ours naming our own descriptor's file, and a C string.
         crate::error::cvt(unsafe {
