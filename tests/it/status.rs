@@ -136,11 +136,7 @@ fn a_lock_taken_with_flock_shows_as_held() {
     assert_eq!(h["mode"], "exclusive");
     assert_eq!(h["stowage"], false, "{h}");
     // On a local filesystem the kernel's lock table names the process.
-    let fs = env.status_json(Vec::<String>::new())["filesystem"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    if ["ext4", "tmpfs", "xfs", "btrfs", "overlay"].contains(&fs.as_str()) {
+    if table_names_holders(&env) {
         assert_eq!(h["pid"], outsider.pid(), "{h}");
         assert!(h["command"].as_str().unwrap().contains("flock"), "{h}");
     }
@@ -1151,12 +1147,8 @@ fn a_lock_kept_by_an_ended_execs_child_names_that_child() {
     let out = env.run(["exec", "--read", "a", "--no-wait", "--", "true"]);
     // SAFETY: a pid of our own child's child, which we end.
     unsafe { libc::kill(child as i32, libc::SIGKILL) };
-    let fs = env.status_json(Vec::<String>::new())["filesystem"].clone();
-    if !["ext4", "tmpfs", "xfs", "btrfs", "overlay"]
-        .iter()
-        .any(|f| fs == *f)
-    {
-        eprintln!("skipping the pid check: {fs} shows no holder's pid");
+    if !table_names_holders(&env) {
+        eprintln!("skipping the pid check: this filesystem's lock table names no holder");
         return;
     }
     assert_eq!(entry["holders"][0]["pid"], child, "{entry}");
@@ -1196,12 +1188,8 @@ fn every_child_that_kept_a_lock_is_named_beside_a_live_reader() {
         // SAFETY: pids of processes this test started.
         unsafe { libc::kill(k as i32, libc::SIGKILL) };
     }
-    let fs = env.status_json(Vec::<String>::new())["filesystem"].clone();
-    if !["ext4", "tmpfs", "xfs", "btrfs", "overlay"]
-        .iter()
-        .any(|f| fs == *f)
-    {
-        eprintln!("skipping: {fs} shows no holder's pid");
+    if !table_names_holders(&env) {
+        eprintln!("skipping: this filesystem's lock table names no holder");
         return;
     }
     let holders = entry["holders"].as_array().unwrap();
@@ -1213,4 +1201,12 @@ fn every_child_that_kept_a_lock_is_named_beside_a_live_reader() {
     assert!(kids.iter().all(|k| kept.contains(k)), "{entry}");
     assert!(holders.iter().any(|h| h["stowage"] == true), "{entry}");
     assert!(holders.iter().all(|h| !h["pid"].is_null()), "{entry}");
+}
+
+/// Whether the root's filesystem is one whose lock table names every holder's pid (local).
+fn table_names_holders(env: &Env) -> bool {
+    let fs = env.status_json(Vec::<String>::new())["filesystem"].clone();
+    ["ext4", "tmpfs", "xfs", "btrfs", "overlay"]
+        .iter()
+        .any(|f| fs == *f)
 }
