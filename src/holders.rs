@@ -285,12 +285,8 @@ impl<'c> Look<'c> {
             };
             leases.iter().find(owns).cloned()
         };
-        let more = || {
-            self.later.get_or_init(|| {
-                read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
-            })
-        };
-        let either = |table: &Table| owner(table, &self.said).or_else(|| owner(table, more()));
+        let either =
+            |table: &Table| owner(table, &self.said).or_else(|| owner(table, self.later()));
         if let found @ Some(_) = either(table) {
             return found;
         }
@@ -630,7 +626,7 @@ impl<'c> Look<'c> {
             // its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused):
             // the processes whose fds hold it, where they can be found.
             _ => {
-                let kept = self.kept_by(path, rel, e);
+                let kept = self.kept_by(path, e);
                 if !kept.is_empty() {
                     return kept;
                 }
@@ -642,9 +638,9 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// The local processes whose own fds hold the lock at `path` (`rel`), where the table's entry
+    /// The local processes whose own fds hold the lock at `path`, where the table's entry
     /// `e` names one that no longer does: children of an exec that ended, which kept its lock.
-    fn kept_by(&self, path: &Path, rel: &str, e: &Entry) -> Vec<Party> {
+    fn kept_by(&self, path: &Path, e: &Entry) -> Vec<Party> {
         let Some(key) = self.key_of(path) else {
             return Vec::new();
         };
@@ -654,8 +650,9 @@ impl<'c> Look<'c> {
         let pids: Vec<u32> = pids.map(|(p, _)| p).filter(holds).collect();
         let (stowage, others): (Vec<u32>, Vec<u32>) =
             pids.into_iter().partition(|&p| is_stowage(p));
-        // A stowage process no live lease explains may list the lock a moment later: none named.
-        if !stowage.iter().all(|&p| self.lists(p, rel)) {
+        // A stowage process with no live lease may be one about to make it: none named. One with a
+        // lease is named by it (its listing of this lock may come a moment later).
+        if !stowage.iter().all(|&p| self.has_lease(p)) {
             return Vec::new();
         }
         // One below a stowage holder shares its descriptor: that exec's command, or its child.
@@ -675,11 +672,17 @@ impl<'c> Look<'c> {
         kept.map(party).collect()
     }
 
-    /// Whether a live lease lists the lock `rel` as held by local process `pid`.
-    fn lists(&self, pid: u32, rel: &str) -> bool {
-        self.said.iter().any(|(n, id)| {
+    /// Leases made since the look read them, read once when first asked.
+    fn later(&self) -> &[Leased] {
+        self.later.get_or_init(|| {
+            read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
+        })
+    }
+
+    /// Whether local process `pid` owns a live lease (read with the look, or made since).
+    fn has_lease(&self, pid: u32) -> bool {
+        self.said.iter().chain(self.later()).any(|(n, id)| {
             (self.taker(id) == Some(pid) || id.pid == Some(pid) && id.pid_is_ours())
-                && id.holdings.iter().any(|h| h.lockfile == rel && !h.awaits)
                 && self.alive(n)
         })
     }
