@@ -449,15 +449,11 @@ impl<'c> Look<'c> {
         owned.contains(&(pid, ino))
     }
 
-    /// Whether the process at `pid` holds the lock at `path` through its own descriptor (not one
-    /// inherited from a dead taker of that pid): `Some(false)` also if no process has the pid,
-    /// `None` if that cannot be told (another user's process, no table).
-    fn pid_holds(&self, pid: u32, path: &Path) -> Option<bool> {
-        self.pid_holds_key(pid, self.key_of(path)?)
-    }
-
-    /// [`Look::pid_holds`] by the file's (device, inode); each pid's fds read once per look.
-    fn pid_holds_key(&self, pid: u32, key: (u64, u64)) -> Option<bool> {
+    /// Whether the process at `pid` holds the file `key` (device, inode) locked through its own
+    /// descriptor (not one inherited from a dead taker of that pid): `Some(false)` also if no
+    /// process has the pid, `None` if that cannot be told (another user's process, no table). Each
+    /// pid's fds are read once per look.
+    fn pid_holds(&self, pid: u32, key: (u64, u64)) -> Option<bool> {
         let mut cache = self.fd_locks.borrow_mut();
         let held = cache
             .entry(pid)
@@ -583,7 +579,7 @@ impl<'c> Look<'c> {
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Vec<Party> {
         // Whether the entry's pid holds the lock itself (a waiter, blocked on it, is that process).
         let holds = match e.pid {
-            Some(pid) if !e.blocked => self.pid_holds(pid, path),
+            Some(pid) if !e.blocked => self.key_of(path).and_then(|k| self.pid_holds(pid, k)),
             Some(_) => Some(true),
             None => None,
         };
@@ -644,8 +640,8 @@ impl<'c> Look<'c> {
         let Some(key) = self.key_of(path) else {
             return Vec::new();
         };
-        // Every process's fds are read once per look (`pid_holds`' cache), however many are kept.
-        let holds = |p: &u32| self.pid_holds_key(*p, key) == Some(true);
+        // Every process's fds are read once per look, however many are kept.
+        let holds = |p: &u32| self.pid_holds(*p, key) == Some(true);
         let pids = crate::ident::numbered::<u32>("/proc").into_iter().flatten();
         let pids: Vec<u32> = pids.map(|(p, _)| p).filter(holds).collect();
         let (stowage, others): (Vec<u32>, Vec<u32>) =

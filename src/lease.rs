@@ -467,14 +467,6 @@ fn pid_namespace_number() -> Option<u64> {
     ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
-/// Whether an unwritten lease's maker is known gone: its name says this host, boot and pid
-/// namespace, and a pid that no longer exists (else it may be between its create and its lock).
-fn unwritten_maker_gone(name: &str) -> bool {
-    maker_here(name).is_some_and(|pid| {
-        u32::try_from(pid).is_ok_and(|pid| pid > 0 && !crate::ident::process_exists(pid))
-    })
-}
-
 /// The pid of the process that named lease `name`, where its name says this host, boot and pid
 /// namespace (so the pid means that process to us, or a later one given its pid).
 pub fn maker_here(name: &str) -> Option<i32> {
@@ -662,11 +654,16 @@ pub fn clean_keeping(
         if is_mine(name) {
             continue;
         }
-        // A lease never written may be a maker's between its create and its lock.
+        // A lease never written may be a maker's between its create and its lock: it goes if its
+        // name says a gone maker (this host, boot and pid namespace, a pid no longer there) or age.
+        let maker_gone = || {
+            let pid = maker_here(name).and_then(|p| u32::try_from(p).ok());
+            pid.is_some_and(|pid| pid > 0 && !crate::ident::process_exists(pid))
+        };
         let goes = |g: &Guard| match g.file().metadata() {
             Ok(m) if m.len() > 0 => true,
             Ok(m) => {
-                unwritten_maker_gone(name)
+                maker_gone()
                     || changed(&m).zip(fs_now()).is_some_and(|(made, now)| {
                         now.duration_since(made)
                             .is_ok_and(|age| age >= unwritten_grace())

@@ -210,26 +210,20 @@ impl Graph {
         if out.len() >= MAX_CHAINS {
             return;
         }
-        let last = path.last().expect("a path has a step").party.clone();
-        let next = self.next(&last);
-        let Some((awaited, parties, relation)) = next.filter(|_| path.len() < MAX_STEPS) else {
+        let deep = path.len() >= MAX_STEPS;
+        let last = path.last_mut().expect("a path has a step");
+        let next = self.next(&last.party).filter(|_| !deep);
+        if let Some((awaited, _, _)) = &next {
+            last.waits_for = awaited.clone();
+        }
+        // A wait nobody is in the way of (a free lock) ends the chain: the waiter is what to end.
+        let Some((_, parties, relation)) = next.filter(|(_, ps, _)| !ps.is_empty()) else {
             out.push(Chain {
                 steps: path,
                 cycle: None,
             });
             return;
         };
-        if let Some(step) = path.last_mut() {
-            step.waits_for = awaited;
-        }
-        // A wait nobody is in the way of (a free lock) ends the chain: the waiter is what to end.
-        if parties.is_empty() {
-            out.push(Chain {
-                steps: path,
-                cycle: None,
-            });
-            return;
-        }
         for p in parties {
             if let Some(i) = path.iter().position(|s| key(&s.party) == key(&p)) {
                 out.push(Chain {
@@ -307,16 +301,13 @@ pub fn advice(chain: &Chain) -> String {
     let pid = end.pid.unwrap_or_default();
     match crate::holders::stopped(end) {
         Some(Stopped::BySignal) => {
-            return format!("{name} is stopped: continue it (kill -CONT {pid}), or end it{kill}");
+            format!("{name} is stopped: continue it (kill -CONT {pid}), or end it{kill}")
         }
         Some(Stopped::ByTracer) => {
-            return format!(
-                "{name} is stopped by its tracer (a debugger): let it go on, or end it{kill}"
-            );
+            format!("{name} is stopped by its tracer (a debugger): let it go on, or end it{kill}")
         }
-        None => {}
+        None => format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}"),
     }
-    format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}")
 }
 
 /// The process to end: a cycle's newest, which has done the least work; else the chain's last.

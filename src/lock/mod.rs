@@ -141,22 +141,19 @@ impl Guard {
         }
     }
 
-    /// Whether a lock that [may be lost](Guard::may_be_lost) was lost while held: `Some(cause)`.
-    /// `None` on a local filesystem, where nothing is asked. An exclusive lock is first tried shared
-    /// through a fresh descriptor (an open and a lock request): granted, nobody holds it, so ours
-    /// was dropped — a try through our own descriptor would be granted it anew (a GlusterFS client
-    /// reconnects with its files reopened without locks), hiding the loss. Then [`Guard::still_held`]:
-    /// another may hold it now.
+    /// Whether a lock that [may be lost](Guard::may_be_lost) was lost while held: `Some(cause)`. An
+    /// exclusive lock is first tried shared through a fresh descriptor: granted, ours was dropped (a
+    /// try through our own would be granted anew: a GlusterFS client reconnects with its files
+    /// reopened without locks). Then [`Guard::still_held`]: another may hold it now.
     pub fn lost(&self) -> Option<String> {
         if !self.may_be_lost() {
             return None;
         }
         if self.mode == Mode::Exclusive {
-            let dropped = match found(open(&self.path, IfMissing::Fail)) {
-                Ok(Some(fresh)) => no_writer_now(&fresh).map_err(|e| e.to_string()),
-                Ok(None) => Err("its lock file is gone".to_owned()),
-                Err(e) => Err(e.to_string()),
-            };
+            let dropped = found(open(&self.path, IfMissing::Fail)).and_then(|f| match f {
+                Some(fresh) => no_writer_now(&fresh),
+                None => Err(io::Error::other("its lock file is gone")),
+            });
             match dropped {
                 Ok(false) => {}
                 Ok(true) => return Some("the server holds it for us no more".to_owned()),
@@ -575,13 +572,12 @@ fn acquire_once(
 ) -> io::Result<Option<Waited<Guard>>> {
     let file = open(path, missing)?;
     let blocked = match flock_try(&file, mode) {
-        Ok(true) => Ok(Waited::Acquired(())),
         Ok(false) => {
             // Before waiting (off the fast path), a locked FIFO is refused by name, not waited for.
             crate::planted::check(path, &file)?;
             block(&file, mode, wait)
         }
-        Err(e) => Err(e),
+        other => other.map(|_| Waited::Acquired(())),
     };
     match blocked {
         Ok(Waited::Acquired(())) => {}
@@ -918,17 +914,13 @@ fn owner_kept_out(root: &Path, dir: &Path, path: &Path) -> Option<String> {
     })?;
     let m = std::fs::symlink_metadata(closed).ok()?;
     let (mode, owner, shown) = (m.mode() & 0o7777, m.uid(), closed.display());
-    // Another's directory in the store: its mode is not ours to change, its owner is the cause.
+    // Another's directory in the store: its mode is not ours to change, its owner is the cause (in
+    // a group store, a member's directory not group-writable, or not of the store's group).
     if owner != nix::unistd::geteuid().as_raw() {
-        // A member's directory in a group store: not group-writable, or not of the store's group.
-        if let Some(why) = crate::planted::group_store_part(closed, owner, m.gid()) {
-            let path = path.display();
-            return Some(format!(
-                "{path}: {shown} belongs to uid {owner} (mode {mode:03o}), which keeps you out; {why}"
-            ));
-        }
+        let why = crate::planted::group_store_part(closed, owner, m.gid());
+        let why = why.unwrap_or_else(|| "'chown' it back to you (as root)".into());
         return Some(format!(
-            "{}: {shown} belongs to uid {owner} (mode {mode:03o}), which keeps you out; 'chown' it back to you (as root)",
+            "{}: {shown} belongs to uid {owner} (mode {mode:03o}), which keeps you out; {why}",
             path.display()
         ));
     }
