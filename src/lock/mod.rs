@@ -627,10 +627,9 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     // here, maybe not at a FUSE server, so either way we let go).
     let upgraded = flock_try(&file, Mode::Exclusive);
     let_go(&file);
-    Ok(if upgraded? {
-        Probe::Free
-    } else {
-        Probe::Shared
+    Ok(match upgraded? {
+        true => Probe::Free,
+        false => Probe::Shared,
     })
 }
 
