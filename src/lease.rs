@@ -206,11 +206,15 @@ impl Holding {
     /// A `hold=` line's value, or with `awaits` an `await=` line's.
     fn parse(awaits: bool, value: &str) -> Option<Holding> {
         let mut parts = value.splitn(4, ' ');
-        let mode = parts.next()?;
-        let reading = mode == "exclusive-read";
+        let (mode, reading) = match parts.next()? {
+            "shared" => (Mode::Shared, false),
+            "exclusive" => (Mode::Exclusive, false),
+            "exclusive-read" => (Mode::Exclusive, true),
+            _ => return None,
+        };
         Some(Holding {
             reading,
-            mode: Mode::parse(if reading { "exclusive" } else { mode })?,
+            mode,
             lockfile: parts.next()?.to_owned(),
             awaits,
             since: parts.next()?.parse().ok()?,

@@ -65,12 +65,6 @@ impl Mode {
             Mode::Exclusive => "write",
         }
     }
-
-    pub fn parse(s: &str) -> Option<Mode> {
-        [Mode::Shared, Mode::Exclusive]
-            .into_iter()
-            .find(|m| m.as_str() == s)
-    }
 }
 
 /// A held lock. Dropping it closes the descriptor, releasing the lock unless a child process
