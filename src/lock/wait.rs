@@ -20,7 +20,7 @@ use nix::fcntl::OFlag;
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 
 use super::{Mode, flock_blocking, flock_try};
-use crate::error::locked;
+use crate::error::{cvt, locked};
 
 /// The outcome of a wait.
 #[derive(Debug)]
@@ -536,14 +536,12 @@ impl Waker {
             left.div_ceil(1_000_000).min(i32::MAX as u128) as i32
         });
         // SAFETY: poll on a live array of pollfds.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                return Ok(Woke::Timeout);
-            }
-            return Err(e);
-        }
+        let n = match cvt(unsafe {
+            libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout)
+        }) {
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => return Ok(Woke::Timeout),
+            n => n?,
+        };
         if let Some((_, take)) = signals
             && fds[0].revents != 0
         {
