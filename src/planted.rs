@@ -79,6 +79,11 @@ pub fn kind_of_mode(mode: u32) -> Option<&'static str> {
     }
 }
 
+/// [`kind_of_mode`], "a regular file" for a regular file.
+pub fn kind_name(mode: u32) -> &'static str {
+    kind_of_mode(mode).unwrap_or("a regular file")
+}
+
 /// What a regular file with more than one name is called: writing through it could change a file
 /// outside the root (a hard link planted for a lock file whose record was never written).
 pub const HARD_LINK: &str = "a hard link (a file with other names)";
@@ -103,8 +108,7 @@ fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
     let ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
     ancestors.into_iter().rev().find_map(|dir| {
         let m = std::fs::symlink_metadata(dir).ok()?;
-        let kind = kind_of_mode(m.mode()).unwrap_or("a regular file");
-        (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| (dir.to_owned(), kind))
+        (!m.is_dir()).then(|| (dir.to_owned(), kind_name(m.mode())))
     })
 }
 
