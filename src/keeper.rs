@@ -69,6 +69,7 @@ impl Keeper {
         set_cloexec(status_wr.as_raw_fd(), false)?;
         set_cloexec(alive_rd.as_raw_fd(), false)?;
         let fds: Vec<String> = lock_fds.iter().map(RawFd::to_string).collect();
+        let fds = fds.join(",");
         let mut args: Vec<OsString> = vec![
             "stowage".into(),
             ARG.into(),
@@ -76,11 +77,7 @@ impl Keeper {
             alive_rd.as_raw_fd().to_string().into(),
             getpgrp().to_string().into(),
             umask.map_or("-".to_owned(), |m| m.to_string()).into(),
-            if fds.is_empty() {
-                "-".into()
-            } else {
-                fds.join(",").into()
-            },
+            (if fds.is_empty() { "-" } else { &fds }).into(),
             "--".into(),
         ];
         args.extend(argv.iter().cloned());
