@@ -51,20 +51,13 @@ pub fn probe(root: &Root) -> Result<Probe> {
     {
         return Ok(Probe::Free);
     }
-    Ok(if inside(root) {
-        Probe::Inside
-    } else {
-        Probe::Held
-    })
-}
-
-/// Whether we run inside a store-wide hold, or inside an image user's command (which a hold waits
-/// for; not a slot holder's).
-fn inside(root: &Root) -> bool {
+    // Inside a store-wide hold, or inside an image user's command (which a hold waits for; not a
+    // slot holder's).
     let ours =
         |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
-    crate::nested::enclosing(root).holds.iter().any(ours)
-        || crate::nested::ancestor_holds(root).iter().any(ours)
+    let inside = crate::nested::enclosing(root).holds.iter().any(ours)
+        || crate::nested::ancestor_holds(root).iter().any(ours);
+    Ok(if inside { Probe::Inside } else { Probe::Held })
 }
 
 /// Whether another's store-wide hold stands over an image whose lock (held) said `seen`: then the
