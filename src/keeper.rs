@@ -344,7 +344,12 @@ impl Tree {
             }
             let mut fds =
                 [signals.as_fd(), alive.as_fd()].map(|fd| PollFd::new(fd, PollFlags::POLLIN));
-            match poll(&mut fds, self.poll_timeout()) {
+            // Until the kill, rounded up; none without one.
+            let timeout = self.kill_at.map_or(PollTimeout::NONE, |t| {
+                let ms = t.saturating_duration_since(Instant::now()).as_millis() + 1;
+                PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
+            });
+            match poll(&mut fds, timeout) {
                 Err(Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
                 Ok(_) => {}
@@ -380,14 +385,6 @@ impl Tree {
             return true;
         }
         false
-    }
-
-    /// Milliseconds until the kill, rounded up; none without one.
-    fn poll_timeout(&self) -> PollTimeout {
-        self.kill_at.map_or(PollTimeout::NONE, |t| {
-            let ms = t.saturating_duration_since(Instant::now()).as_millis() + 1;
-            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
-        })
     }
 
     /// A signal: to the command while it runs, else to every process left; a termination signal
