@@ -36,7 +36,14 @@ pub fn config(root: &Root) -> Result<Config> {
         return Err(crate::catalog::NeedsMigration.into());
     }
     if !has_records(root)? {
-        return Ok(made(root));
+        // Made as the first use does (`Root::create_config`), only in a laid-out store (another's
+        // half made is finished first, so `img` is there); one who may not write the root goes on
+        // with one of its own.
+        let laid_out = |d: &Dir| matches!(d.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
+        return Ok(match root.open() {
+            Ok(d) if laid_out(&d) && root.create_layout().is_ok() => root.create_config(&d).0,
+            _ => root.fresh_config(),
+        });
     }
     // Read again after the records were seen: lost if still missing (else made meanwhile).
     crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
@@ -45,17 +52,6 @@ pub fn config(root: &Root) -> Result<Config> {
             root.dir().join(crate::config::FILE).display()
         )
     })
-}
-
-/// Makes the configuration of a store that has none and no record yet, as the first use does
-/// (`Root::create_config`). One who may not write the root goes on with one of its own.
-fn made(root: &Root) -> Config {
-    // Only in a laid-out store (another's half made is finished first, so `img` is there).
-    let laid_out = |dir: &Dir| matches!(dir.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
-    match root.open() {
-        Ok(dir) if laid_out(&dir) && root.create_layout().is_ok() => root.create_config(&dir).0,
-        _ => root.fresh_config(),
-    }
 }
 
 /// Whether any image lock file holds a record (the store is not new).
