@@ -130,25 +130,18 @@ impl Root {
         (names.iter()).any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
     }
 
-    /// For a command that only reads: a store is here, else why not (66), nothing created.
+    /// For a command that only reads: a store is here, else why not (66), nothing created. A lookup
+    /// refused in the root (a mode, a client reconnecting) says nothing of whether a store is
+    /// there, and is said as itself, never as "holds no store".
     pub fn require_store(&self) -> Result<()> {
         if self.holds_store() {
-            Ok(())
+            return Ok(());
         } else if !self.exists() {
-            Err(crate::Error::NoRoot(self.dir.clone()).into())
-        } else if let Err(e) = self.look_inside() {
-            Err(e)
-        } else {
-            Err(self.no_store().into())
+            return Err(crate::Error::NoRoot(self.dir.clone()).into());
         }
-    }
-
-    /// Whether the root can be looked into: a lookup refused (a mode, a client reconnecting) says
-    /// nothing of whether a store is there, and is said as itself, never as "holds no store".
-    fn look_inside(&self) -> Result<()> {
         let e = match fs::symlink_metadata(self.dir.join("locks")) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => e,
-            _ => return Ok(()),
+            _ => return Err(self.no_store().into()),
         };
         let shown = self.dir.display();
         let mode = fs::metadata(&self.dir).map(|m| (m.mode() & 0o7777, m.uid()));
