@@ -229,7 +229,14 @@ fn run(args: &[OsString]) -> io::Result<()> {
     }
     let (stowage, leader) = (getppid().as_raw(), getsid(None) == Ok(getppid()));
     become_subreaper()?;
-    let signals = signal_fd()?;
+    // The signals stowage takes (and passes on here) and SIGCHLD, which arrive blocked (its mask).
+    let mut set = crate::signals::taken();
+    set.add(nix::sys::signal::Signal::SIGCHLD);
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
+    // stowage's lock waits' own signal is not taken: harmless here too (a handler, not an
+    // ignored disposition, which the command would inherit).
+    crate::lock::disarm_wake_signal();
+    let signals = SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?;
     let mut cmd = command(argv, group, umask);
     let child = match cmd.spawn() {
         Ok(c) => c,
@@ -250,18 +257,6 @@ fn run(args: &[OsString]) -> io::Result<()> {
         ..Tree::default()
     };
     tree.watch(&mut status, &signals, &alive)
-}
-
-/// A signalfd for the signals stowage takes (and passes on here) and SIGCHLD, which arrive blocked
-/// (stowage's mask).
-fn signal_fd() -> io::Result<SignalFd> {
-    let mut set = crate::signals::taken();
-    set.add(nix::sys::signal::Signal::SIGCHLD);
-    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
-    // stowage's lock waits' own signal is not taken: harmless here too (a handler, not an
-    // ignored disposition, which the command would inherit).
-    crate::lock::disarm_wake_signal();
-    Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }
 
 /// The command, in stowage's process group, mask reset, umask set, dying with the keeper.
