@@ -222,17 +222,21 @@ impl Dir {
             Err(e) => return gone(&e),
             Ok(_) => {}
         }
-        let mut buf = [0u8; 1024];
+        self.getdents(&mut [0u8; 1024]).is_err_and(|e| gone(&e))
+    }
+
+    /// `getdents64` into `buf` (the system call: glibc's wrapper is recent); 0 at the end.
+    fn getdents(&self, buf: &mut [u8]) -> io::Result<usize> {
         // SAFETY: a live buffer of the length given.
-        let listed = retrying(|| unsafe {
+        let n = retrying(|| unsafe {
             libc::syscall(
                 libc::SYS_getdents64,
-                self.fd.as_raw_fd(),
+                self.as_raw_fd(),
                 buf.as_mut_ptr(),
                 buf.len(),
             )
         });
-        listed.is_err_and(|e| gone(&e))
+        n.map(|n| n as usize)
     }
 
     /// The names in the directory (without `.` and `..`), by `getdents64` on this very descriptor:
@@ -251,27 +255,22 @@ impl Dir {
 
     /// [`Dir::names`] with each entry's inode and type as the directory gives them (no stat).
     pub fn listing(&self) -> io::Result<Vec<DirEntry>> {
-        let fd = self.fd.as_raw_fd();
         nix::unistd::lseek(self, 0, nix::unistd::Whence::SeekSet)?;
         let mut buf = vec![0u8; 32 * 1024];
         let mut out = Vec::new();
         loop {
-            // The system call: glibc's wrapper is recent; the layout is the kernel's.
-            // SAFETY: a live buffer of the length given.
-            let n = match retrying(|| unsafe {
-                libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len())
-            }) {
+            let n = match self.getdents(&mut buf) {
                 // Removed meanwhile (by another removal): the end, as readdir(3) has it.
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
                 Ok(0) => return Ok(out),
                 n => n?,
             };
             let mut at = 0usize;
-            while at < n as usize {
+            while at < n {
                 // struct linux_dirent64 { u64 d_ino; i64 d_off;
                 // u16 d_reclen; u8 d_type; char d_name[]; }
                 let reclen = u16::from_ne_bytes([buf[at + 16], buf[at + 17]]) as usize;
-                if reclen < 20 || at + reclen > n as usize {
+                if reclen < 20 || at + reclen > n {
                     return Err(io::Error::other("a malformed directory entry"));
                 }
                 let name = &buf[at + 19..at + reclen];

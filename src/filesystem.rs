@@ -143,11 +143,8 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
         return (Reach::ClusterWide, None, None);
     };
     let mount = is_shared_kind(&fs.name).then(|| mount_of(at)).flatten();
-    (
-        reach_with(&fs, mount.as_ref()),
-        mount,
-        (at == path).then_some(fs),
-    )
+    let reach = reach_with(&fs, mount.as_ref());
+    (reach, mount, (at == path).then_some(fs))
 }
 
 /// The filesystem of `path`, or of its nearest existing ancestor, with where it was found.

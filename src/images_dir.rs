@@ -36,7 +36,14 @@ pub fn config(root: &Root) -> Result<Config> {
         return Err(crate::catalog::NeedsMigration.into());
     }
     if !has_records(root)? {
-        return Ok(made(root));
+        // Made as the first use does (`Root::create_config`), only in a laid-out store (another's
+        // half made is finished first, so `img` is there); one who may not write the root goes on
+        // with one of its own.
+        let laid_out = |d: &Dir| matches!(d.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
+        return Ok(match root.open() {
+            Ok(d) if laid_out(&d) && root.create_layout().is_ok() => root.create_config(&d).0,
+            _ => root.fresh_config(),
+        });
     }
     // Read again after the records were seen: lost if still missing (else made meanwhile).
     crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
@@ -45,20 +52,6 @@ pub fn config(root: &Root) -> Result<Config> {
             root.dir().join(crate::config::FILE).display()
         )
     })
-}
-
-/// Makes the configuration of a store that has none and no record yet, as the first use does
-/// (`Root::create_config`). One who may not write the root goes on with one of its own.
-fn made(root: &Root) -> Config {
-    let Ok(dir) = root.open() else {
-        return root.fresh_config();
-    };
-    // Only in a laid-out store (another's half made is finished first, so `img` is there).
-    let laid_out = matches!(dir.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
-    if !laid_out || root.create_layout().is_err() {
-        return root.fresh_config();
-    }
-    root.create_config(&dir).0
 }
 
 /// Whether any image lock file holds a record (the store is not new).
@@ -97,17 +90,11 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
 /// [`not_this_stores`] by the claim on `dir`'s path; one missing is left to what opens it.
 fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<String> {
     let claim = crate::claim::read_path(dir, false);
-    if claim
-        .as_ref()
-        .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
-    {
-        return None;
-    }
-    // Not read, so not judged: what keeps us out is said, never taken for a missing mark.
-    if let Err(e) = &claim
-        && e.raw_os_error() == Some(libc::EACCES)
-    {
-        return Some(unreadable(root, dir, e));
+    match &claim {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        // Not read, so not judged: what keeps us out is said, never taken for a missing mark.
+        Err(e) if e.raw_os_error() == Some(libc::EACCES) => return Some(unreadable(root, dir, e)),
+        _ => {}
     }
     let now = || root.open_images_dir(dir).ok()?.identity().ok();
     not_this_stores(root, Some(config), dir, claim, now)
@@ -187,21 +174,21 @@ fn not_this_stores(
 /// store's group.
 fn unreadable(root: &Root, dir: &Path, e: &std::io::Error) -> String {
     use std::os::unix::fs::MetadataExt;
-    let shown = dir.display();
+    let said = format!("images directory {} cannot be read: {e}", dir.display());
     let Ok(m) = std::fs::metadata(dir) else {
-        return format!("images directory {shown} cannot be read: {e}");
+        return said;
     };
     let (mode, uid, gid) = (m.mode() & 0o7777, m.uid(), m.gid());
-    let whose = format!("mode {mode:o}, uid {uid}, group {gid}");
+    let said = format!("{said} (mode {mode:o}, uid {uid}, group {gid})");
     let Some((store, _)) = crate::sharing::is_group_store(root.dir()) else {
-        return format!("images directory {shown} cannot be read: {e} ({whose})");
+        return said;
     };
     let (group, path) = (
         crate::ident::group_label(store),
         crate::ident::shell_path(dir),
     );
     format!(
-        "images directory {shown} cannot be read: {e} ({whose}); its owner or root gives it the store's group {group} by 'stowage init --images-dir {path}'"
+        "{said}; its owner or root gives it the store's group {group} by 'stowage init --images-dir {path}'"
     )
 }
 
@@ -259,10 +246,7 @@ pub fn tree_there(dir: &Path, encoded: &str) -> Option<bool> {
 /// The tree a record describes, for reading and measuring only.
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     let dir = r.images.path_in(root.dir());
-    match ImageName::parse(&r.name) {
-        Ok(n) => dir.join(n.encoded()),
-        Err(_) => dir,
-    }
+    ImageName::parse(&r.name).map_or(dir.clone(), |n| dir.join(n.encoded()))
 }
 
 /// This store's claim on its images directory (`claim.rs`).

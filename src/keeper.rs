@@ -69,6 +69,7 @@ impl Keeper {
         set_cloexec(status_wr.as_raw_fd(), false)?;
         set_cloexec(alive_rd.as_raw_fd(), false)?;
         let fds: Vec<String> = lock_fds.iter().map(RawFd::to_string).collect();
+        let fds = fds.join(",");
         let mut args: Vec<OsString> = vec![
             "stowage".into(),
             ARG.into(),
@@ -76,11 +77,7 @@ impl Keeper {
             alive_rd.as_raw_fd().to_string().into(),
             getpgrp().to_string().into(),
             umask.map_or("-".to_owned(), |m| m.to_string()).into(),
-            if fds.is_empty() {
-                "-".into()
-            } else {
-                fds.join(",").into()
-            },
+            (if fds.is_empty() { "-" } else { &fds }).into(),
             "--".into(),
         ];
         args.extend(argv.iter().cloned());
@@ -232,7 +229,14 @@ fn run(args: &[OsString]) -> io::Result<()> {
     }
     let (stowage, leader) = (getppid().as_raw(), getsid(None) == Ok(getppid()));
     become_subreaper()?;
-    let signals = signal_fd()?;
+    // The signals stowage takes (and passes on here) and SIGCHLD, which arrive blocked (its mask).
+    let mut set = crate::signals::taken();
+    set.add(nix::sys::signal::Signal::SIGCHLD);
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
+    // stowage's lock waits' own signal is not taken: harmless here too (a handler, not an
+    // ignored disposition, which the command would inherit).
+    crate::lock::disarm_wake_signal();
+    let signals = SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?;
     let mut cmd = command(argv, group, umask);
     let child = match cmd.spawn() {
         Ok(c) => c,
@@ -253,18 +257,6 @@ fn run(args: &[OsString]) -> io::Result<()> {
         ..Tree::default()
     };
     tree.watch(&mut status, &signals, &alive)
-}
-
-/// A signalfd for the signals stowage takes (and passes on here) and SIGCHLD, which arrive blocked
-/// (stowage's mask).
-fn signal_fd() -> io::Result<SignalFd> {
-    let mut set = crate::signals::taken();
-    set.add(nix::sys::signal::Signal::SIGCHLD);
-    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
-    // stowage's lock waits' own signal is not taken: harmless here too (a handler, not an
-    // ignored disposition, which the command would inherit).
-    crate::lock::disarm_wake_signal();
-    Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }
 
 /// The command, in stowage's process group, mask reset, umask set, dying with the keeper.
@@ -347,7 +339,12 @@ impl Tree {
             }
             let mut fds =
                 [signals.as_fd(), alive.as_fd()].map(|fd| PollFd::new(fd, PollFlags::POLLIN));
-            match poll(&mut fds, self.poll_timeout()) {
+            // Until the kill, rounded up; none without one.
+            let timeout = self.kill_at.map_or(PollTimeout::NONE, |t| {
+                let ms = t.saturating_duration_since(Instant::now()).as_millis() + 1;
+                PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
+            });
+            match poll(&mut fds, timeout) {
                 Err(Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
                 Ok(_) => {}
@@ -383,14 +380,6 @@ impl Tree {
             return true;
         }
         false
-    }
-
-    /// Milliseconds until the kill, rounded up; none without one.
-    fn poll_timeout(&self) -> PollTimeout {
-        self.kill_at.map_or(PollTimeout::NONE, |t| {
-            let ms = t.saturating_duration_since(Instant::now()).as_millis() + 1;
-            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
-        })
     }
 
     /// A signal: to the command while it runs, else to every process left; a termination signal

@@ -79,6 +79,11 @@ pub fn kind_of_mode(mode: u32) -> Option<&'static str> {
     }
 }
 
+/// [`kind_of_mode`], "a regular file" for a regular file.
+pub fn kind_name(mode: u32) -> &'static str {
+    kind_of_mode(mode).unwrap_or("a regular file")
+}
+
 /// What a regular file with more than one name is called: writing through it could change a file
 /// outside the root (a hard link planted for a lock file whose record was never written).
 pub const HARD_LINK: &str = "a hard link (a file with other names)";
@@ -103,8 +108,7 @@ fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
     let ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
     ancestors.into_iter().rev().find_map(|dir| {
         let m = std::fs::symlink_metadata(dir).ok()?;
-        let kind = kind_of_mode(m.mode()).unwrap_or("a regular file");
-        (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| (dir.to_owned(), kind))
+        (!m.is_dir()).then(|| (dir.to_owned(), kind_name(m.mode())))
     })
 }
 
@@ -305,9 +309,10 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
 /// The extended attribute holding an access ACL.
 pub const ACCESS_ACL: &std::ffi::CStr = c"system.posix_acl_access";
 
-/// What the owning group may do (0o7: rwx) by the access ACL of `path` (of the file it names if
-/// `follow`), if it has one: the mode's group bits then show the ACL's mask, not the group's due.
-fn acl_group_perms(path: &Path, follow: bool) -> Option<u32> {
+/// What the access ACL of `path` (followed if `follow`) lets a group store's group do (0o7: rwx),
+/// where that is less than a part needs: read and write, and search on a directory (`dir`). With
+/// an ACL, the mode's group bits show the ACL's mask, not the group's due.
+pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
     let c = cstr(path.as_os_str()).ok()?;
     let get = if follow {
         libc::getxattr
@@ -327,14 +332,9 @@ fn acl_group_perms(path: &Path, follow: bool) -> Option<u32> {
     // A version, then entries of 8 bytes: tag and permissions (u16 each), id (u32).
     let acl = buf.get(4..usize::try_from(n).ok()?)?;
     let group = acl.chunks_exact(8).find(|e| e[..2] == 4u16.to_le_bytes())?;
-    Some(u32::from(u16::from_le_bytes([group[2], group[3]])) & 7)
-}
-
-/// What the access ACL of `path` (followed if `follow`) lets a group store's group do, where that
-/// is less than a part needs: read and write, and search on a directory (`dir`).
-pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
+    let perms = u32::from(u16::from_le_bytes([group[2], group[3]])) & 7;
     let need = if dir { 7 } else { 6 };
-    acl_group_perms(path, follow).filter(|p| p & need != need)
+    (perms & need != need).then_some(perms)
 }
 
 /// "r-x" for 0o5.

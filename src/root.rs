@@ -31,6 +31,33 @@ pub struct Root {
     identity: std::sync::Arc<std::sync::OnceLock<String>>,
 }
 
+/// The layout's paths, each `ROOT/REL`.
+macro_rules! layout_paths {
+    ($($(#[$doc:meta])* $name:ident => $rel:literal,)*) => {
+        impl Root {
+            $($(#[$doc])* pub fn $name(&self) -> PathBuf {
+                self.dir.join($rel)
+            })*
+        }
+    };
+}
+
+layout_paths! {
+    db => "stowage.db",
+    locks => "locks",
+    global_lock => "locks/global.lock",
+    image_locks => "locks/images",
+    slot_locks => "locks/slots",
+    /// Holder leases (`lease.rs`).
+    leases => "locks/leases",
+    default_images_dir => "img",
+    trash => "trash",
+    /// Space kept in reserve for the metadata (`space.rs`).
+    reserve => "reserve",
+    /// The lock of a store-wide hold (`store_wide.rs`), `locks/` + [`Root::STORE_WIDE_LOCK_REL`].
+    store_wide_lock => "locks/store.lock",
+}
+
 impl Root {
     /// `--root`, else `$STOWAGE_ROOT`, else `/var/tmp/$USER.stowage`.
     pub fn resolve(flag: Option<&Path>) -> Result<Root> {
@@ -44,11 +71,7 @@ impl Root {
         let blank = |d: &std::ffi::OsStr| d.as_encoded_bytes().iter().all(u8::is_ascii_whitespace);
         let given = flag.map(Path::as_os_str).or(env.as_deref());
         if given.is_some_and(|d| !d.is_empty() && blank(d)) {
-            let from = if flag.is_some() {
-                "--root"
-            } else {
-                "STOWAGE_ROOT"
-            };
+            let from = flag.map_or("STOWAGE_ROOT", |_| "--root");
             let e = format!("{from}: the root given is only blanks (is a variable unset?)");
             return Err(crate::Error::Usage(e).into());
         }
@@ -107,25 +130,18 @@ impl Root {
         (names.iter()).any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
     }
 
-    /// For a command that only reads: a store is here, else why not (66), nothing created.
+    /// For a command that only reads: a store is here, else why not (66), nothing created. A lookup
+    /// refused in the root (a mode, a client reconnecting) says nothing of whether a store is
+    /// there, and is said as itself, never as "holds no store".
     pub fn require_store(&self) -> Result<()> {
         if self.holds_store() {
-            Ok(())
+            return Ok(());
         } else if !self.exists() {
-            Err(crate::Error::NoRoot(self.dir.clone()).into())
-        } else if let Err(e) = self.look_inside() {
-            Err(e)
-        } else {
-            Err(self.no_store().into())
+            return Err(crate::Error::NoRoot(self.dir.clone()).into());
         }
-    }
-
-    /// Whether the root can be looked into: a lookup refused (a mode, a client reconnecting) says
-    /// nothing of whether a store is there, and is said as itself, never as "holds no store".
-    fn look_inside(&self) -> Result<()> {
         let e = match fs::symlink_metadata(self.dir.join("locks")) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => e,
-            _ => return Ok(()),
+            _ => return Err(self.no_store().into()),
         };
         let shown = self.dir.display();
         let mode = fs::metadata(&self.dir).map(|m| (m.mode() & 0o7777, m.uid()));
@@ -292,10 +308,10 @@ impl Root {
         if !crate::lock::unlinks_allowed(&path) {
             return Ok(());
         }
-        let rel = path
-            .strip_prefix(&self.dir)
-            .with_context(|| format!("lock file {} is not in the root", path.display()))?;
-        let (Some(parent), Some(file)) = (rel.parent(), rel.file_name()) else {
+        let rel = path.strip_prefix(&self.dir).ok();
+        let (Some(parent), Some(file)) =
+            (rel.and_then(Path::parent), rel.and_then(Path::file_name))
+        else {
             anyhow::bail!("lock file {} is not in the root", path.display());
         };
         let parent = parent.to_str().with_context(|| {
@@ -384,44 +400,6 @@ impl Root {
         &self.dir
     }
 
-    pub fn db(&self) -> PathBuf {
-        self.dir.join("stowage.db")
-    }
-
-    pub fn locks(&self) -> PathBuf {
-        self.dir.join("locks")
-    }
-
-    pub fn global_lock(&self) -> PathBuf {
-        self.dir.join("locks/global.lock")
-    }
-
-    pub fn image_locks(&self) -> PathBuf {
-        self.dir.join("locks/images")
-    }
-
-    pub fn slot_locks(&self) -> PathBuf {
-        self.dir.join("locks/slots")
-    }
-
-    /// Holder leases (`lease.rs`).
-    pub fn leases(&self) -> PathBuf {
-        self.dir.join("locks/leases")
-    }
-
-    pub fn default_images_dir(&self) -> PathBuf {
-        self.dir.join("img")
-    }
-
-    pub fn trash(&self) -> PathBuf {
-        self.dir.join("trash")
-    }
-
-    /// Space kept in reserve for the metadata (`space.rs`).
-    pub fn reserve(&self) -> PathBuf {
-        self.dir.join("reserve")
-    }
-
     /// Whether a look asks about locks by query, not try-lock ([`crate::lock::look`]).
     pub fn lock_queries(&self) -> bool {
         self.fs.as_ref().is_some_and(|f| f.queries_see_flocks)
@@ -461,11 +439,6 @@ impl Root {
     /// [`Root::slot_class_dir`] relative to the root.
     pub fn slot_class_rel(class: &str) -> String {
         format!("locks/slots/{}", class.replace('/', "%"))
-    }
-
-    /// The lock of a store-wide hold (`store_wide.rs`).
-    pub fn store_wide_lock(&self) -> PathBuf {
-        self.locks().join(Self::STORE_WIDE_LOCK_REL)
     }
 
     /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
@@ -607,21 +580,17 @@ impl Root {
                 continue;
             };
             let path = self.dir.join(rel);
-            return Err(match (dir, planted::kind_of_mode(e.mode)) {
-                (true, Some("a directory")) | (false, None) => continue,
+            return Err(match (dir, planted::kind_name(e.mode)) {
+                (true, "a directory") | (false, "a regular file") => continue,
                 // No store here: nothing in its place is stowage's to set aside.
                 (true, kind) if rel == "locks" && !self.holds_store() => {
-                    let kind = kind.unwrap_or("a regular file");
                     std::io::Error::other(format!("{} is {kind}, not a directory, and no store's: refusing to make a store here; move it away or choose another root", path.display()))
                 }
-                (true, Some("a symlink")) if rel == "img" => {
-                    let (at, fix) = (path.display(), planted::IMG_LINK);
-                    std::io::Error::other(format!(
-                        "{at} is a symlink, not a directory: refusing to use it; {fix}"
-                    ))
+                (true, "a symlink") if rel == "img" => {
+                    std::io::Error::other(refusal(&path, "a symlink", planted::IMG_LINK))
                 }
-                (true, kind) => planted::not_a_dir(&path, kind.unwrap_or("a regular file")),
-                (false, Some(kind)) => planted::not_a_file(&path, kind),
+                (true, kind) => planted::not_a_dir(&path, kind),
+                (false, kind) => planted::not_a_file(&path, kind),
             }
             .into());
         }
@@ -629,11 +598,9 @@ impl Root {
     }
 
     /// Whether the store is a release's before records, still to migrate (its catalog aside): that
-    /// release's statement in the global lock file (made at its every transaction, emptied only
-    /// once migrated); or its tokens in the image lock files, enabled or disabled beside a record a
-    /// migration wrote (one begun stays to finish: its records beside that release's bytes are
-    /// none of this release's use), and no record of this release's own use (a token put in a
-    /// store of this release makes no store of that one).
+    /// release's statement in the global lock file (emptied only once migrated); or its tokens in
+    /// image lock files, enabled or disabled beside a record a migration wrote (one begun stays to
+    /// finish), with no record of this release's own use (a token put here makes no old store).
     pub fn older_release_left(&self) -> bool {
         use crate::image_record::SlotA;
         if self.older_release_catalog_id().is_some() {
@@ -753,10 +720,7 @@ impl Root {
             let path = self.dir.join(name);
             let what = match fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => continue,
-                Ok(m) => format!(
-                    "{}, not a directory",
-                    planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
-                ),
+                Ok(m) => format!("{}, not a directory", planted::kind_name(m.mode())),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if locks_ok {
                         self.make_layout_dir(&root, name)?;
@@ -1008,17 +972,20 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
         return anyhow::Error::new(e).context(format!("cannot open {}", path.display()));
     }
     // Linux says ENOTDIR for a symlink opened O_DIRECTORY|O_NOFOLLOW: look.
-    let kind = fs::symlink_metadata(path).map_or("not a directory", |m| {
-        planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
-    });
+    let kind =
+        fs::symlink_metadata(path).map_or("not a directory", |m| planted::kind_name(m.mode()));
     // A link in the default images directory's place may be the user's own: it is left for them.
     let fix = if path.file_name().is_some_and(|n| n == "img") && kind == "a symlink" {
         planted::IMG_LINK
     } else {
         planted::FIX
     };
+    anyhow::anyhow!("{}", refusal(path, kind, fix))
+}
+
+fn refusal(path: &Path, kind: &str, fix: &str) -> String {
     let shown = path.display();
-    anyhow::anyhow!("{shown} is {kind}, not a directory: refusing to use it; {fix}")
+    format!("{shown} is {kind}, not a directory: refusing to use it; {fix}")
 }
 
 /// Whether an error comes of something missing (a file, a directory of the layout).

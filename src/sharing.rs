@@ -110,14 +110,12 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
     parts(root)
         .into_iter()
         .filter_map(|(rel, dir)| {
+            let path = root.dir().join(&rel);
             // Missing, or not of its kind (a link): no part.
-            let m = fs::symlink_metadata(root.dir().join(&rel))
+            let m = fs::symlink_metadata(&path)
                 .ok()
                 .filter(|m| m.is_dir() == dir)?;
-            let (bits, path) = (
-                if dir { DIR_BITS } else { FILE_BITS },
-                root.dir().join(&rel),
-            );
+            let bits = if dir { DIR_BITS } else { FILE_BITS };
             let default_acl = dir && has_default_acl(&path);
             let acl_group = crate::planted::acl_short(&path, false, dir);
             let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
@@ -139,23 +137,12 @@ const DEFAULT_ACL: &std::ffi::CStr = c"system.posix_acl_default";
 
 /// Whether the directory at `path` has a default ACL (none where the filesystem keeps no ACLs).
 fn has_default_acl(path: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
-    else {
+    let Ok(c) = crate::error::cstr(path.as_os_str()) else {
         return false;
     };
     // SAFETY: two C strings of ours; a null buffer of size 0 asks only for the value's size.
     let n = unsafe { libc::lgetxattr(c.as_ptr(), DEFAULT_ACL.as_ptr(), std::ptr::null_mut(), 0) };
     n >= 0
-}
-
-/// Removes the default ACL of the directory behind `fd`, if it has one.
-fn drop_default_acl(fd: BorrowedFd) -> io::Result<()> {
-    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
-    // SAFETY: a descriptor of ours and a C string.
-    match crate::error::cvt(unsafe { libc::fremovexattr(raw, DEFAULT_ACL.as_ptr()) }) {
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => Ok(()),
-        other => other.map(drop),
-    }
 }
 
 /// What [`repair`] did.
@@ -287,7 +274,11 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
         fchown(fd, None, Some(Gid::from_raw(gid)))?;
     }
     if dir && !by_path {
-        drop_default_acl(fd)?;
+        // SAFETY: a descriptor of ours and a C string.
+        match crate::error::cvt(unsafe { libc::fremovexattr(raw, DEFAULT_ACL.as_ptr()) }) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => {}
+            other => drop(other?),
+        }
     }
     // An access ACL shutting the group out goes: with none, the mode's group bits are the group's.
     let proc = std::path::PathBuf::from(format!("/proc/self/fd/{raw}"));
@@ -307,13 +298,6 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     Ok(fchmod(fd, Mode::from_bits_retain(mode))?)
 }
 
-/// The groups `/etc/group` names, as (name, gid): read directly, as a static binary has no NSS.
-fn groups() -> Vec<(String, u32)> {
-    let text = fs::read_to_string("/etc/group").unwrap_or_default();
-    let groups = crate::ident::id_entries(&text).map(|(name, gid)| (name.to_owned(), gid));
-    groups.collect()
-}
-
 /// "'users' (100)", by `/etc/group`; the number alone for a group it does not name.
 pub fn group_label(gid: u32) -> String {
     crate::ident::group_label(gid)
@@ -324,8 +308,9 @@ pub fn group_id(group: &str) -> Result<u32> {
     if let Ok(n) = group.parse::<u32>() {
         return Ok(n);
     }
-    groups()
-        .into_iter()
+    // Read directly: a static binary has no NSS.
+    let text = fs::read_to_string("/etc/group").unwrap_or_default();
+    crate::ident::id_entries(&text)
         .find_map(|(name, gid)| (name == group).then_some(gid))
         .ok_or_else(|| {
             crate::Error::Usage(format!(

@@ -51,20 +51,13 @@ pub fn probe(root: &Root) -> Result<Probe> {
     {
         return Ok(Probe::Free);
     }
-    Ok(if inside(root) {
-        Probe::Inside
-    } else {
-        Probe::Held
-    })
-}
-
-/// Whether we run inside a store-wide hold, or inside an image user's command (which a hold waits
-/// for; not a slot holder's).
-fn inside(root: &Root) -> bool {
+    // Inside a store-wide hold, or inside an image user's command (which a hold waits for; not a
+    // slot holder's).
     let ours =
         |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
-    crate::nested::enclosing(root).holds.iter().any(ours)
-        || crate::nested::ancestor_holds(root).iter().any(ours)
+    let inside = crate::nested::enclosing(root).holds.iter().any(ours)
+        || crate::nested::ancestor_holds(root).iter().any(ours);
+    Ok(if inside { Probe::Inside } else { Probe::Held })
 }
 
 /// Whether another's store-wide hold stands over an image whose lock (held) said `seen`: then the
@@ -153,7 +146,8 @@ impl Hold {
         }
     }
 
-    /// Takes `store.lock` exclusively without the scan (for the migration).
+    /// Takes `store.lock` exclusively without the scan (for the migration), waiting as allowed
+    /// (holding nothing).
     pub fn take_raw(
         store: &Store,
         command: &str,
@@ -163,7 +157,21 @@ impl Hold {
         store.root().create_layout()?;
         let leases = store.root().leases();
         let _ = crate::lease::mine(&leases);
-        let guard = take_store_lock(store, command, deadline, no_wait)?;
+        let path = store.root().store_wide_lock();
+        let err = |e| lock::error("the store-wide lock", &path, e);
+        let now = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create);
+        let guard = match now.map_err(err)? {
+            Some(g) => g,
+            None => {
+                let what = "the store-wide lock".to_owned();
+                let refuse = no_wait.then(|| what.clone());
+                let awaited = store_lock_holding(Mode::Exclusive, true, command);
+                wait_in_turn(store, what, refuse, deadline, awaited, |wait| {
+                    lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, wait)
+                        .map_err(err)
+                })?
+            }
+        };
         crate::lease::note(&leases, store_lock_holding(Mode::Exclusive, false, command));
         Ok(Hold { guard })
     }
@@ -336,29 +344,6 @@ fn forget_missing(
         (gone && root.drop_record(&name, g).is_ok()).then(|| name.as_str().to_owned())
     };
     missing.into_iter().filter_map(forget).collect()
-}
-
-/// Takes `store.lock` exclusively, waiting as allowed (holding nothing).
-fn take_store_lock(
-    store: &Store,
-    command: &str,
-    deadline: Option<Instant>,
-    no_wait: bool,
-) -> Result<Guard> {
-    let root = store.root();
-    let path = root.store_wide_lock();
-    let err = |e| lock::error("the store-wide lock", &path, e);
-    if let Some(g) =
-        lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create).map_err(err)?
-    {
-        return Ok(g);
-    }
-    let what = "the store-wide lock".to_owned();
-    let refuse = no_wait.then(|| what.clone());
-    let awaited = store_lock_holding(Mode::Exclusive, true, command);
-    wait_in_turn(store, what, refuse, deadline, awaited, |wait| {
-        lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, wait).map_err(err)
-    })
 }
 
 /// One lock file of the scan: hint, take (waiting if busy), hint again under the lock, let go.
