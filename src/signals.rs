@@ -90,22 +90,16 @@ pub fn ends_the_command(sig: i32) -> bool {
     )
 }
 
-/// Changes this thread's signal mask for `sig` alone (`how`: `SIG_BLOCK`, `SIG_UNBLOCK`); returns
-/// the mask before.
-pub fn mask_one(how: libc::c_int, sig: libc::c_int) -> libc::sigset_t {
+/// Runs `f` with `sig` blocked in this thread (as it was before, after).
+pub fn with_blocked<T>(sig: libc::c_int, f: impl FnOnce() -> T) -> T {
     // SAFETY: sigset manipulation on local sets; the mask changed is this thread's own.
-    unsafe {
+    let before = unsafe {
         let (mut one, mut before): (libc::sigset_t, libc::sigset_t) = std::mem::zeroed();
         libc::sigemptyset(&mut one);
         libc::sigaddset(&mut one, sig);
-        libc::pthread_sigmask(how, &one, &mut before);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &one, &mut before);
         before
-    }
-}
-
-/// Runs `f` with `sig` blocked in this thread (as it was before, after).
-pub fn with_blocked<T>(sig: libc::c_int, f: impl FnOnce() -> T) -> T {
-    let before = mask_one(libc::SIG_BLOCK, sig);
+    };
     let out = f();
     // SAFETY: restores the mask read above.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut()) };
