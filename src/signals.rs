@@ -300,14 +300,11 @@ pub const FROM_TERMINAL: usize = 1;
 fn take(set: &SigSet, block: bool) -> Option<(i32, i32)> {
     // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is blocked in this thread.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let now = nix::sys::time::TimeSpec::new(0, 0);
     let sig = match block {
         true => unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) },
         // SAFETY: see above: `set` and `info` are valid, `now` a live timespec.
-        false => unsafe { libc::sigtimedwait(set.as_ref(), &mut info, &now) },
+        false => unsafe { libc::sigtimedwait(set.as_ref(), &mut info, now.as_ref()) },
     };
     (sig > 0).then_some((sig, info.si_code))
 }
