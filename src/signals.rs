@@ -158,17 +158,14 @@ pub fn cancelled() -> Option<i32> {
 
 /// Whether a signal we take is pending, for sleeps without the signal thread (the test pause hook).
 pub fn termination_pending() -> bool {
-    let Some(shared) = SHARED.get() else {
-        return false;
-    };
     // SAFETY: sigpending fills a local set; sigismember reads two sets.
-    unsafe {
+    SHARED.get().is_some_and(|shared| unsafe {
         let mut pending: libc::sigset_t = std::mem::zeroed();
         libc::sigpending(&mut pending);
         (1..=libc::SIGRTMAX()).any(|s| {
             libc::sigismember(&pending, s) == 1 && libc::sigismember(shared.set.as_ref(), s) == 1
         })
-    }
+    })
 }
 
 impl Forwarder {
