@@ -151,14 +151,11 @@ fn local_parts(ms: Millis) -> Option<(String, String)> {
     if unsafe { libc::localtime_r(&secs, &mut tm) }.is_null() {
         return Some((utc[..10].to_owned(), utc[11..19].to_owned()));
     }
+    let (y, m, d) = (tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday);
+    let (h, min, s) = (tm.tm_hour, tm.tm_min, tm.tm_sec);
     Some((
-        format!(
-            "{:04}-{:02}-{:02}",
-            tm.tm_year + 1900,
-            tm.tm_mon + 1,
-            tm.tm_mday
-        ),
-        format!("{:02}:{:02}:{:02}", tm.tm_hour, tm.tm_min, tm.tm_sec),
+        format!("{y:04}-{m:02}-{d:02}"),
+        format!("{h:02}:{min:02}:{s:02}"),
     ))
 }
 

@@ -52,10 +52,8 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Ok(s) => s,
         Err(e) => return refused(store, plan, e),
     };
-    store.ctx().detail(&format!(
-        "locks acquired in {:.1} ms",
-        t0.elapsed().as_secs_f64() * 1e3
-    ));
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    store.ctx().detail(&format!("locks acquired in {ms:.1} ms"));
 
     if let Some(base) = from {
         // A copy takes a while: its holder is named meanwhile.
@@ -132,10 +130,8 @@ fn copy_base(
         }
     };
     if let Err(e) = session.clone_into(store, opened, base, target) {
-        let _ = session.finish(
-            store,
-            Outcome::Failure("the copy from its base failed".into()),
-        );
+        let failed = Outcome::Failure("the copy from its base failed".into());
+        let _ = session.finish(store, failed);
         // Stopped by a termination signal (even noticed inside an I/O error): exit 128+N.
         if let Some(sig) = crate::signals::cancelled()
             && error::typed(&e).is_none()
@@ -146,10 +142,8 @@ fn copy_base(
     }
     // Where its lock may have been lost during the copy, the base must be as it was read.
     if let Some(changed) = session.reads_changed(Some(base)) {
-        let _ = session.finish(
-            store,
-            Outcome::Failure("its base changed while copied".into()),
-        );
+        let failed = Outcome::Failure("its base changed while copied".into());
+        let _ = session.finish(store, failed);
         anyhow::bail!(
             "{changed} changed while copied to '{target}' (its read lock was lost: another host may have written it); '{target}' is incomplete"
         );
@@ -201,15 +195,14 @@ fn record_outcome(
         format!("the command exited with status {code}, but recording that failed")
     })?;
     if let Some(free) = full {
-        store.ctx().say(&format!(
-            "{} incomplete: the command failed with the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
-            written
-                .iter()
-                .map(|w| format!("image '{w}' is"))
-                .collect::<Vec<_>>()
-                .join(", "),
+        let which: Vec<String> = written.iter().map(|w| format!("image '{w}' is")).collect();
+        let (which, at, free) = (
+            which.join(", "),
             dir.display(),
-            crate::disk_usage::human(free)
+            crate::disk_usage::human(free),
+        );
+        store.ctx().say(&format!(
+            "{which} incomplete: the command failed with the filesystem of {at} full ({free} free): free space with 'stowage rm IMAGE' or 'stowage gc'"
         ));
     }
     let wrote = match written.is_empty() {
@@ -276,9 +269,8 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
         );
     }
     for name in hold.forget_deleted(store, before.as_ref()) {
-        store.ctx().say(&format!(
-            "image '{name}' was deleted by the store-wide command"
-        ));
+        let said = format!("image '{name}' was deleted by the store-wide command");
+        store.ctx().say(&said);
     }
     hold.release(store);
     code

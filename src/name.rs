@@ -69,7 +69,7 @@ impl ImageName {
             rule,
         })?;
         Ok(ImageName {
-            enc: swap(name, PLAIN, ENCODED),
+            enc: name.replace('/', "%").replace(':', "+"),
             name: name.to_owned(),
         })
     }
@@ -88,7 +88,7 @@ impl ImageName {
     /// Decodes a file name found in an images directory; a name that is not valid (no image stowage
     /// can manage) returns the rule it broke.
     pub fn from_encoded(enc: &str) -> Result<Self, InvalidName> {
-        let name = swap(enc, ENCODED, PLAIN);
+        let name = enc.replace('%', "/").replace('+', ":");
         // A '/' or ':' in ENC would decode to itself and not round-trip.
         if let Some(c) = enc.chars().find(|c| *c == '/' || *c == ':') {
             return Err(InvalidName {
@@ -113,16 +113,6 @@ impl fmt::Display for ImageName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.name)
     }
-}
-
-/// The characters ENC replaces, and what replaces each.
-const PLAIN: [char; 2] = ['/', ':'];
-const ENCODED: [char; 2] = ['%', '+'];
-
-/// `s` with each character of `from` replaced by the one of `to` at its place.
-fn swap(s: &str, from: [char; 2], to: [char; 2]) -> String {
-    let one = |c| from.iter().position(|f| *f == c).map_or(c, |i| to[i]);
-    s.chars().map(one).collect()
 }
 
 fn check(name: &str) -> Result<(), NameRule> {

@@ -173,11 +173,10 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
 /// Whether the local process at the lease's pid is its owner: it has the lease file open (as an
 /// owner has until it ends), else where that cannot be told, by its start.
 fn owns(name: &str, id: &Identity) -> bool {
-    let Some(pid) = id.pid else {
-        return false;
-    };
-    let open = id.file.and_then(|(_, ino)| has_open(pid, name, ino));
-    open.unwrap_or_else(|| id.owner_is(pid) != Some(false))
+    id.pid.is_some_and(|pid| {
+        let open = id.file.and_then(|(_, ino)| has_open(pid, name, ino));
+        open.unwrap_or_else(|| id.owner_is(pid) != Some(false))
+    })
 }
 
 /// Whether local process `pid` has a file named `name` with inode `ino` open; `None` where that

@@ -90,22 +90,16 @@ pub fn ends_the_command(sig: i32) -> bool {
     )
 }
 
-/// Changes this thread's signal mask for `sig` alone (`how`: `SIG_BLOCK`, `SIG_UNBLOCK`); returns
-/// the mask before.
-pub fn mask_one(how: libc::c_int, sig: libc::c_int) -> libc::sigset_t {
+/// Runs `f` with `sig` blocked in this thread (as it was before, after).
+pub fn with_blocked<T>(sig: libc::c_int, f: impl FnOnce() -> T) -> T {
     // SAFETY: sigset manipulation on local sets; the mask changed is this thread's own.
-    unsafe {
+    let before = unsafe {
         let (mut one, mut before): (libc::sigset_t, libc::sigset_t) = std::mem::zeroed();
         libc::sigemptyset(&mut one);
         libc::sigaddset(&mut one, sig);
-        libc::pthread_sigmask(how, &one, &mut before);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &one, &mut before);
         before
-    }
-}
-
-/// Runs `f` with `sig` blocked in this thread (as it was before, after).
-pub fn with_blocked<T>(sig: libc::c_int, f: impl FnOnce() -> T) -> T {
-    let before = mask_one(libc::SIG_BLOCK, sig);
+    };
     let out = f();
     // SAFETY: restores the mask read above.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut()) };
@@ -164,17 +158,14 @@ pub fn cancelled() -> Option<i32> {
 
 /// Whether a signal we take is pending, for sleeps without the signal thread (the test pause hook).
 pub fn termination_pending() -> bool {
-    let Some(shared) = SHARED.get() else {
-        return false;
-    };
     // SAFETY: sigpending fills a local set; sigismember reads two sets.
-    unsafe {
+    SHARED.get().is_some_and(|shared| unsafe {
         let mut pending: libc::sigset_t = std::mem::zeroed();
         libc::sigpending(&mut pending);
         (1..=libc::SIGRTMAX()).any(|s| {
             libc::sigismember(&pending, s) == 1 && libc::sigismember(shared.set.as_ref(), s) == 1
         })
-    }
+    })
 }
 
 impl Forwarder {
@@ -306,14 +297,11 @@ pub const FROM_TERMINAL: usize = 1;
 fn take(set: &SigSet, block: bool) -> Option<(i32, i32)> {
     // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is blocked in this thread.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let now = nix::sys::time::TimeSpec::new(0, 0);
     let sig = match block {
         true => unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) },
         // SAFETY: see above: `set` and `info` are valid, `now` a live timespec.
-        false => unsafe { libc::sigtimedwait(set.as_ref(), &mut info, &now) },
+        false => unsafe { libc::sigtimedwait(set.as_ref(), &mut info, now.as_ref()) },
     };
     (sig > 0).then_some((sig, info.si_code))
 }

@@ -85,9 +85,8 @@ pub fn prepare(
         }
     };
     attr.set_flags(flags | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)?;
-    let path = path.map(CString::from);
     Ok(Prepared {
-        path,
+        path: path.map(CString::from),
         args,
         vars,
         attr,

@@ -68,11 +68,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
         super::print(&out)?;
     }
-    Ok(if !report.locking {
-        code::UNAVAILABLE
-    } else if report.healthy {
-        0
-    } else {
-        code::FAILURE
+    Ok(match (report.locking, report.healthy) {
+        (false, _) => code::UNAVAILABLE,
+        (true, true) => 0,
+        (true, false) => code::FAILURE,
     })
 }

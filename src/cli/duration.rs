@@ -42,25 +42,20 @@ impl TimeOption {
         }
     }
 
-    /// Examples of values, for the message refusing one.
-    fn examples(self) -> &'static str {
-        match self {
-            TimeOption::UnusedFor => "e.g. 30m, 12h, 7d, 2w",
-            _ => "e.g. 10 or 2.5 seconds, 500ms, 1.5m, 2h, 1d",
-        }
-    }
-
     /// `raw` read by the grammar; anything else is a usage error (exit 64) naming the option.
     pub(super) fn parse(self, raw: &str) -> Result<Duration> {
         let flag = self.flag();
         let t = raw.trim();
         let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
         let (number, unit) = (t[..split].trim(), t[split..].trim());
+        let examples = match self {
+            TimeOption::UnusedFor => "e.g. 30m, 12h, 7d, 2w",
+            _ => "e.g. 10 or 2.5 seconds, 500ms, 1.5m, 2h, 1d",
+        };
         let bad = || {
+            let units = time_units!();
             Error::Usage(format!(
-                "{flag} '{raw}': not a time (a number and a unit of {}; {})",
-                time_units!(),
-                self.examples()
+                "{flag} '{raw}': not a time (a number and a unit of {units}; {examples})"
             ))
         };
         let scale = match unit {
@@ -91,11 +86,8 @@ impl TimeOption {
         let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
         self.check(raw, unit, secs)?;
         // Within a millionth of a second of whole ones (the checks said): the report's seconds.
-        let secs = if self == TimeOption::UnusedFor {
-            secs.round()
-        } else {
-            secs
-        };
+        let whole = self == TimeOption::UnusedFor;
+        let secs = if whole { secs.round() } else { secs };
         // -0 is 0.
         Ok(Duration::from_secs_f64(secs.max(0.0)))
     }

@@ -76,7 +76,10 @@ fn policy(args: &Args) -> Result<Policy> {
 fn report_text(report: &gc::Report, dry_run: bool) -> String {
     let mut lines = Vec::new();
     let mut line = |l: String| lines.push(l);
-    let verb = if dry_run { "would remove" } else { "removed" };
+    let (verb, frees, uses) = match dry_run {
+        true => ("would remove", "would free", "would use"),
+        false => ("removed", "freed", "now use"),
+    };
     for name in &report.interrupted_removals {
         line(format!("{verb} '{name}' (an interrupted removal)"));
     }
@@ -100,19 +103,13 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
         Some(m) => format!(" (budget {})", disk_usage::human(m)),
         None => String::new(),
     };
-    let freed = format!(
-        "{} {}",
-        if dry_run { "would free" } else { "freed" },
-        disk_usage::human(report.bytes_freed)
-    );
-    line(if report.measured {
-        format!(
-            "{freed}; images {} {}{budget}",
-            if dry_run { "would use" } else { "now use" },
+    let freed = format!("{frees} {}", disk_usage::human(report.bytes_freed));
+    line(match report.measured {
+        true => format!(
+            "{freed}; images {uses} {}{budget}",
             disk_usage::human(report.size_after)
-        )
-    } else {
-        freed
+        ),
+        false => freed,
     });
     lines.iter().map(|l| format!("{l}\n")).collect()
 }

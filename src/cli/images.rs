@@ -83,6 +83,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         "IN USE".into(),
     ]];
     for r in &images {
+        let used = in_use.contains(r.name());
         table.push([
             r.name().to_owned(),
             r.state.as_str().into(),
@@ -90,11 +91,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             r.record.base.clone().unwrap_or_else(|| "-".into()),
             clock::local_minutes(r.record.created),
             clock::local_minutes(r.last_used),
-            if in_use.contains(r.name()) {
-                "yes".into()
-            } else {
-                "no".into()
-            },
+            if used { "yes" } else { "no" }.into(),
         ]);
     }
     let mut out = super::table(&table);

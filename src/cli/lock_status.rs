@@ -230,7 +230,8 @@ fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> 
         .filter(|f| f.ends_with(".lock"))
         .map(|f| (f.to_owned(), None))
         .collect();
-    files.extend(outsider_files(look, root).into_iter().map(|f| (f, None)));
+    let outsiders = outsider_files(look, root).into_iter().flatten();
+    files.extend(outsiders.map(|f| (f, None)));
     for n in &sel.names {
         let file = crate::root::lock_file_name(n.encoded());
         files.insert(file, Some(n.as_str().to_owned()));
@@ -310,18 +311,11 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
 
 /// Image lock files someone holds that no lease explains (flock(1) in a script), by inode in the
 /// lock table: `locks/images/` is listed only then.
-fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
-    let Some(inodes) = look.unexplained().filter(|i| !i.is_empty()) else {
-        return Vec::new();
-    };
-    let Ok(dir) = root.open_sub(Root::IMAGE_LOCKS_REL) else {
-        return Vec::new();
-    };
-    dir.listing()
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| inodes.contains(&e.ino))
-        .filter_map(|e| e.name.into_string().ok())
-        .filter(|n| n.ends_with(".lock"))
-        .collect()
+fn outsider_files(look: &Look, root: &Root) -> Option<Vec<String>> {
+    let inodes = look.unexplained().filter(|i| !i.is_empty())?;
+    let dir = root.open_sub(Root::IMAGE_LOCKS_REL).ok()?;
+    let listed = dir.listing().unwrap_or_default().into_iter();
+    let held = listed.filter(|e| inodes.contains(&e.ino));
+    let names = held.filter_map(|e| e.name.into_string().ok());
+    Some(names.filter(|n| n.ends_with(".lock")).collect())
 }

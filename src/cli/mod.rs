@@ -525,12 +525,8 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
         .iter()
         .map(|r| std::array::from_fn(|i| crate::ident::printable(&r[i])))
         .collect();
-    let mut widths = [0usize; N];
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
+    let widths: [usize; N] =
+        std::array::from_fn(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0));
     rows.iter()
         .map(|row| {
             let cells = row.iter().zip(widths);

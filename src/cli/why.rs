@@ -85,9 +85,8 @@ fn target(raw: &OsStr) -> Result<Target> {
     let text = raw.to_str().unwrap_or_default();
     let digits = text.strip_prefix(['-', '+']).unwrap_or(text);
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Ok(Target::Image(
-            ImageName::parse_os(raw).map_err(crate::Error::from)?,
-        ));
+        let name = ImageName::parse_os(raw).map_err(crate::Error::from)?;
+        return Ok(Target::Image(name));
     }
     // 0 and negative numbers name process groups to kill(2), never a process.
     match text.parse::<i32>() {
