@@ -321,11 +321,10 @@ impl Seen {
                 ..Seen::default()
             };
         }
-        let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
-        let a = slot(0).and_then(Record::decode);
-        let b = slot(1).and_then(Record::decode);
+        let decoded = |i| slot(bytes, i).and_then(Record::decode);
+        let (a, b) = (decoded(0), decoded(1));
         let noise =
-            |i: usize, valid: bool| !valid && slot(i).is_some_and(|s| s.iter().any(|&b| b != 0));
+            |i, valid: bool| !valid && slot(bytes, i).is_some_and(|s| s.iter().any(|&b| b != 0));
         let torn = noise(0, a.is_some()) || noise(1, b.is_some());
         let top_seq = a.iter().chain(&b).map(|r| r.seq).max().unwrap_or(0);
         let record = match (a, b) {
@@ -335,14 +334,14 @@ impl Seen {
         // A write in flight beside a torn slot (maybe its `ready` cut short): state unknown.
         let record = record.filter(|r| !(torn && r.state.in_flight()));
         let area = &bytes[..bytes.len().min(HINTS_AT)];
-        let hint = |at: u64| bytes.get(at as usize).copied().unwrap_or(0);
+        // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
+        let hint = |at: u64| !matches!(bytes.get(at as usize), None | Some(0 | b'-'));
         Seen {
             damaged: record.is_none() && area.iter().any(|&b| b != 0),
             legacy: bytes.starts_with(LEGACY_PREFIX),
             record,
-            // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
-            writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
-            store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
+            writer_waits: hint(WRITER_WAITS_AT),
+            store_wide: hint(STORE_WIDE_AT),
             foreign_write: foreign_write_in(bytes),
             last_use: bytes
                 .get(LAST_USE_AT as usize..LAST_USE_AT as usize + LAST_USE_LEN)
@@ -435,11 +434,7 @@ pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<boo
     if in_flight && ours.is_some_and(named) {
         return Ok(false);
     }
-    let slot = |i: usize| {
-        bytes
-            .get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
-            .and_then(Record::decode)
-    };
+    let slot = |i| slot(&bytes, i).and_then(Record::decode);
     Ok(match ours {
         None => slot(0).is_none() && slot(1).is_none(),
         Some(r) => {
@@ -447,6 +442,11 @@ pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<boo
             slot(at).as_ref() == Some(r) && slot(1 - at).is_none_or(|o| o.seq < r.seq)
         }
     })
+}
+
+/// Record slot `i` of `bytes` (a lock file's first bytes), or what there is of it.
+fn slot(bytes: &[u8], i: usize) -> Option<&[u8]> {
+    bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
 }
 
 /// The file's first [`AREA`] bytes, or all it has: never more, whatever the file is (a huge file
