@@ -160,10 +160,10 @@ fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>
 /// Sets a damaged catalog aside (never deleted), as any use of it would; the line saying so.
 fn set_aside_damaged(store: &Store, e: &anyhow::Error) -> Result<String> {
     let aside = crate::store::set_aside(store.root(), "damaged")?;
-    let (shown, aside) = (store.root().db(), aside.display());
-    let shown = shown.display();
+    let (db, aside) = (store.root().db(), aside.display());
     Ok(format!(
-        "catalog {shown} is damaged ({e:#}): set aside as {aside}"
+        "catalog {} is damaged ({e:#}): set aside as {aside}",
+        db.display()
     ))
 }
 
@@ -251,14 +251,7 @@ impl Old {
     /// slot classes its slot files repeat; the images directory its tokens name.
     fn from_tokens(root: &Root) -> Old {
         let mut images = None;
-        let locks = Dir::open_in_root(&root.image_locks()).ok();
-        for file in image_lock_files(root) {
-            let Some(name) = Root::image_of_lock_file(&file) else {
-                continue;
-            };
-            let Some(bytes) = locks.as_ref().and_then(|d| read_old_file(d, &file)) else {
-                continue;
-            };
+        for (_, name, bytes) in lock_files_read(root) {
             if let Some(t) = Token::of(token_area(&bytes), name.as_str()) {
                 images = images.or(t.images);
             }
@@ -290,6 +283,22 @@ fn markers(root: &Root) -> BTreeSet<String> {
 fn read_old_file(dir: &Dir, name: &str) -> Option<Vec<u8>> {
     let file = dir.open_read(name).ok()?;
     image_record::read_area(&file).ok()
+}
+
+/// Each image lock file (named as an image) that can be read, with its first bytes.
+fn lock_files_read(root: &Root) -> Vec<(String, ImageName, Vec<u8>)> {
+    let Ok(locks) = Dir::open_in_root(&root.image_locks()) else {
+        return Vec::new();
+    };
+    let read = |file: String| {
+        let name = Root::image_of_lock_file(&file)?;
+        let bytes = read_old_file(&locks, &file)?;
+        Some((file, name, bytes))
+    };
+    image_lock_files(root)
+        .into_iter()
+        .filter_map(read)
+        .collect()
 }
 
 /// The part of a lock file's first bytes that may hold the older release's token.
@@ -503,17 +512,8 @@ pub fn records_from_tokens(root: &Root) -> BTreeMap<String, Record> {
     let old = Old::from_tokens(root);
     let dir = old.images.path_in(root.dir());
     let mut records = BTreeMap::new();
-    let Ok(locks) = Dir::open_in_root(&root.image_locks()) else {
-        return records;
-    };
-    for file in image_lock_files(root) {
-        let Some(name) = Root::image_of_lock_file(&file) else {
-            continue;
-        };
-        // A listing beside a busy catalog: what is planted among the lock files is left out.
-        let Some(bytes) = read_old_file(&locks, &file) else {
-            continue;
-        };
+    // A listing beside a busy catalog: what is planted among the lock files is left out.
+    for (file, name, bytes) in lock_files_read(root) {
         let token = Token::of(token_area(&bytes), name.as_str());
         let seen = image_record::Seen::parse(&bytes);
         let record = match (&token, seen.record) {
@@ -689,14 +689,12 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
 /// A store without a configuration and without an older catalog: its configuration, made now.
 fn ensure_config(root: &Root) -> Result<()> {
     let dir = root.open()?;
+    let path = root.dir().join(crate::config::FILE);
     let found = dir.stat_at(crate::config::FILE);
-    let found = found.with_context(|| {
-        format!(
-            "cannot look at {}",
-            root.dir().join(crate::config::FILE).display()
-        )
-    })?;
-    if found.is_none() {
+    if found
+        .with_context(|| format!("cannot look at {}", path.display()))?
+        .is_none()
+    {
         crate::config::create(root.dir(), &dir, &Config::fresh())?;
     }
     Ok(())
