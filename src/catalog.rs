@@ -254,17 +254,12 @@ pub fn is_busy(err: &anyhow::Error) -> bool {
 }
 
 /// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? A read that
-/// failed (EIO) looks like damage too: such a file is kept ([`unreadable`]), not set aside.
+/// failed (EIO) looks like damage too: such a file is kept ([`unreadable`]), not set aside; and
+/// damage that `quick_check` on a connection of its own does not meet was a one-off read's.
 pub fn is_damage(err: &anyhow::Error, db: &Path) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
         && unreadable(db).is_none()
-        && !checks_ok(db)
-}
-
-/// Whether `PRAGMA quick_check`, on a connection of its own, finds the catalog sound: damage the
-/// next read does not meet was the read's (a one-off EIO).
-fn checks_ok(db: &Path) -> bool {
-    open(db).is_ok_and(|conn| quick_check(&conn).is_ok_and(|answer| answer == "ok"))
+        && !open(db).is_ok_and(|conn| quick_check(&conn).is_ok_and(|answer| answer == "ok"))
 }
 
 /// SQLite's own check of the database: "ok", or lines saying what is wrong.
@@ -509,7 +504,10 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     let found = if !path.is_file() {
         Ok(Found::Replaced("missing".into()))
     } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
-        Err(busy_again(&path))
+        // A second look gives the error without waiting again.
+        let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
+        let why = format!("{} stayed locked by another program", path.display());
+        Err(rusqlite::Error::SqliteFailure(busy, Some(why)).into())
     } else {
         let left = wal.then(|| leave_outside_wal(&path)).transpose();
         left.and_then(|_| {
@@ -542,13 +540,6 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
         }
     };
     Ok(root.older_release_left().then_some(Legacy::Lost(why)))
-}
-
-/// The error a second look at a catalog found busy gives without waiting again.
-fn busy_again(path: &Path) -> anyhow::Error {
-    let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
-    let why = format!("{} stayed locked by another program", path.display());
-    anyhow::Error::from(rusqlite::Error::SqliteFailure(busy, Some(why)))
 }
 
 /// What the open database is, as `root`'s catalog: an older release's is one to migrate only if no

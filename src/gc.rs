@@ -466,6 +466,7 @@ fn collect(
         return Ok(false);
     };
     let root = store.root().clone();
+    let path = root.image_lock(&name);
     let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
         Ok(Some(h)) => h,
         Ok(None) => {
@@ -473,13 +474,7 @@ fn collect(
             return Ok(false);
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => {
-            return Err(lock::error(
-                &format!("image '{name}'"),
-                &root.image_lock(&name),
-                e,
-            ));
-        }
+        Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
     };
     let Some(now) = held.seen.record.clone() else {
         return Ok(false);
@@ -490,9 +485,7 @@ fn collect(
         return Ok(false);
     }
     // The record read under the lock is the truth (a write in flight is dead); last use as the
-    // survey has it, bounded by when the lock file was written since.
-    let path = root.image_lock(&name);
-    // Not told why not: kept, as nothing shows it unused.
+    // survey has it, bounded by when the lock file was written since. Not told why not: kept, as nothing shows it unused.
     let Ok(written) = crate::planted::check_dated(&path, held.guard.file()) else {
         return Ok(false);
     };

@@ -298,16 +298,12 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
     let dir =
         (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
     // Asked of the top too: a root's parts (store.conf, locks) are no store on their own.
+    let shown = path.display();
     if let Some(what) = in_use_by_a_store(&dir) {
-        anyhow::bail!(
-            "cannot empty {}: it is {what}; move it out first",
-            path.display()
-        );
+        anyhow::bail!("cannot empty {shown}: it is {what}; move it out first");
     }
-    for entry in dir
-        .names()
-        .with_context(|| format!("cannot list {}", path.display()))?
-    {
+    let names = dir.names();
+    for entry in names.with_context(|| format!("cannot list {shown}"))? {
         crate::signals::check()?;
         dir.remove_entry(&entry, &mut 0, &in_use_by_a_store)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
@@ -347,10 +343,8 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         out.failed.push(format!("{e:#}"));
         return Ok(out);
     }
-    for entry in trash
-        .names()
-        .with_context(|| format!("cannot list {}", root.trash().display()))?
-    {
+    let names = trash.names();
+    for entry in names.with_context(|| format!("cannot list {}", root.trash().display()))? {
         let path = root.trash().join(&entry);
         let bytes = disk_usage::freed_by_deleting(&path).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {

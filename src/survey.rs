@@ -370,7 +370,12 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
     let unknown =
         |img: &Image| img.size.is_none() && !img.state.in_flight() && img.state != State::Deleting;
     let mut out = Vec::new();
-    if !images.iter().any(unknown) || images_dir_in_doubt(root) {
+    // Whether the images directory may not be the one whose trees the records describe.
+    let in_doubt = || {
+        let dir = crate::images_dir::config(root).map(|c| c.images.path_in(root.dir()));
+        dir.map_or(true, |d| crate::images_dir::not_usable(root, &d).is_some())
+    };
+    if !images.iter().any(unknown) || in_doubt() {
         return out;
     }
     for img in images.iter_mut() {
@@ -416,10 +421,4 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         }
     }
     out
-}
-
-/// Whether the images directory may not be the one whose trees the records describe.
-fn images_dir_in_doubt(root: &Root) -> bool {
-    let dir = crate::images_dir::config(root).map(|c| c.images.path_in(root.dir()));
-    dir.map_or(true, |d| crate::images_dir::not_usable(root, &d).is_some())
 }
