@@ -207,8 +207,8 @@ struct Budget {
 }
 
 impl Budget {
-    /// What each image takes, measured where not known, where extents may be shared, or `fresh`;
-    /// and each unlisted tree, always measured (never removed, it counts all the same).
+    /// What each unlisted tree (never removed, it counts all the same) and image takes, measured
+    /// where not known (always, for a tree), where extents may be shared, or `fresh`.
     fn new(
         store: &Store,
         rows: &[Image],
@@ -217,27 +217,25 @@ impl Budget {
         fresh: bool,
     ) -> Result<Budget> {
         let mut cost = HashMap::new();
-        for u in unlisted {
+        let unlisted = unlisted
+            .iter()
+            .map(|u| (u.name.as_str(), u.tree.clone(), None));
+        let rows = rows.iter().map(|r| {
+            let tree = crate::images_dir::tree_of(store.root(), &r.record);
+            (r.name(), tree, r.size)
+        });
+        for (name, tree, size) in unlisted.chain(rows) {
             crate::signals::check()?;
-            let (own, shares) = match disk_usage::measure(&u.tree, shares) {
-                Ok(m) => (m.own(), m.shares),
-                Err(_) => (0, Shares::default()),
-            };
-            cost.insert(u.name.as_str().to_owned(), Cost { own, shares });
-        }
-        for r in rows {
-            crate::signals::check()?;
-            let tree = || crate::images_dir::tree_of(store.root(), &r.record);
             let measured =
-                (fresh || shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
-            let kept = r.size.unwrap_or(0);
+                (fresh || shares || size.is_none()).then(|| disk_usage::measure(&tree, shares));
+            let kept = size.unwrap_or(0);
             let (own, shares) = match measured.and_then(Result::ok) {
                 // Seen in part (a directory we may not read): a size kept whole says more.
                 Some(m) if m.partial => (m.own().max(kept), m.shares),
                 Some(m) => (m.own(), m.shares),
                 None => (kept, Shares::default()),
             };
-            cost.insert(r.name().to_owned(), Cost { own, shares });
+            cost.insert(name.to_owned(), Cost { own, shares });
         }
         let footprint = disk_usage::Footprint::new(cost.values().map(|c| &c.shares));
         let total = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
