@@ -161,9 +161,9 @@ fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>
 fn set_aside_damaged(store: &Store, e: &anyhow::Error) -> Result<String> {
     let aside = crate::store::set_aside(store.root(), "damaged")?;
     let (db, aside) = (store.root().db(), aside.display());
+    let db = db.display();
     Ok(format!(
-        "catalog {} is damaged ({e:#}): set aside as {aside}",
-        db.display()
+        "catalog {db} is damaged ({e:#}): set aside as {aside}"
     ))
 }
 

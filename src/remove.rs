@@ -192,10 +192,9 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
         .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
     let Some(images) = usable else {
+        let (name, shown) = (&held.name, images_dir.display());
         anyhow::bail!(
-            "cannot finish the removal of image '{}': images directory {} is not usable (is it mounted?)",
-            held.name,
-            images_dir.display()
+            "cannot finish the removal of image '{name}': images directory {shown} is not usable (is it mounted?)"
         );
     };
     let tree = images_dir.join(held.name.encoded());
@@ -268,11 +267,9 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
                     (images, Some(enc.as_ref()), MOVE, "the directory"),
                 ],
             );
-            Taken::Refused(anyhow::Error::new(e).context(format!(
-                "cannot move {} to {}",
-                tree.display(),
-                root.trash().display()
-            )))
+            let (from, to) = (tree.display(), root.trash());
+            let to = to.display();
+            Taken::Refused(anyhow::Error::new(e).context(format!("cannot move {from} to {to}")))
         }
     }
 }

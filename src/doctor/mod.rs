@@ -582,12 +582,10 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
     let aside = crate::store::set_aside(store.root(), "damaged")?;
     store.with_catalog(None, |_, _| Ok(()))?;
     let aside = aside.display();
-    Ok(report.catalog(
-        Repaired,
-        format!(
-            "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
-        ),
-    ))
+    let detail = format!(
+        "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
+    );
+    Ok(report.catalog(Repaired, detail))
 }
 
 /// Every record: damaged, interrupted removals, failed or dead writers, stale store-wide hints.
