@@ -252,7 +252,7 @@ impl Old {
     fn from_tokens(root: &Root) -> Old {
         let mut images = None;
         for (_, name, bytes) in lock_files_read(root) {
-            if let Some(t) = Token::of(token_area(&bytes), name.as_str()) {
+            if let Some(t) = Token::of(&bytes, name.as_str()) {
                 images = images.or(t.images);
             }
         }
@@ -295,15 +295,8 @@ fn lock_files_read(root: &Root) -> Vec<(String, ImageName, Vec<u8>)> {
         let bytes = read_old_file(&locks, &file)?;
         Some((file, name, bytes))
     };
-    image_lock_files(root)
-        .into_iter()
-        .filter_map(read)
-        .collect()
-}
-
-/// The part of a lock file's first bytes that may hold the older release's token.
-fn token_area(bytes: &[u8]) -> &[u8] {
-    &bytes[..bytes.len().min(TOKEN_AREA)]
+    let files = image_lock_files(root);
+    files.into_iter().filter_map(read).collect()
 }
 
 /// The entries of `dir` whose names are text.
@@ -364,11 +357,9 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
         };
-        let seen = image_record::read(guard.file())
+        let bytes = image_record::read_area(guard.file())
             .with_context(|| format!("cannot read the lock file of image '{name}'"))?;
-        let mut bytes = vec![0u8; TOKEN_AREA];
-        let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
-        let token = Token::of(&bytes[..got], &name);
+        let (seen, token) = (image_record::Seen::parse(&bytes), Token::of(&bytes, &name));
         // Its catalog lost since an earlier pass wrote this record from its row: the record knows
         // more (the base, a deletion) than any token, which that release has not written since.
         if old.lost && seen.record.is_some() && token.as_ref().is_none_or(|t| t.disabled) {
@@ -384,7 +375,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             .with_context(|| format!("cannot write the record of image '{name}'"))?;
         // Only once the record is durable: that release no longer takes its token (it asks its
         // catalog, which changes the file for anything it changes), this one still does.
-        if bytes[..got].starts_with(LEGACY_PREFIX) {
+        if bytes.starts_with(LEGACY_PREFIX) {
             guard
                 .file()
                 .write_all_at(&[DISABLED], 0)
@@ -419,9 +410,9 @@ struct Token {
 const DISABLED: u8 = b'-';
 
 impl Token {
-    /// The token in `bytes`, disabled or not, if of the image `name`.
+    /// The token in a lock file's first `bytes` (slot A), disabled or not, if of the image `name`.
     fn of(bytes: &[u8], name: &str) -> Option<Token> {
-        let mut bytes = bytes.to_vec();
+        let mut bytes = bytes[..bytes.len().min(TOKEN_AREA)].to_vec();
         let disabled = bytes.first() == Some(&DISABLED);
         if disabled {
             bytes[0] = LEGACY_PREFIX[0];
@@ -440,10 +431,9 @@ impl Token {
     }
 }
 
-/// Writes `r` unless the record there says the same. Derived anew by every pass, as the older
-/// release may have changed the image since an earlier one (a pass that gave up let `store.lock`
-/// go). Its token stays in slot A: the record goes in slot B (odd sequence numbers), so every
-/// pass, and one after a write cut short, derives from it.
+/// Writes `r` unless the record there says the same (each pass derives anew: the older release may
+/// have changed the image since). The token stays in slot A, the record goes in slot B (odd
+/// sequence numbers), so every pass, and one after a write cut short, derives from it.
 fn write_beside_token(
     file: &std::fs::File,
     mut seen: image_record::Seen,
@@ -514,7 +504,7 @@ pub fn records_from_tokens(root: &Root) -> BTreeMap<String, Record> {
     let mut records = BTreeMap::new();
     // A listing beside a busy catalog: what is planted among the lock files is left out.
     for (file, name, bytes) in lock_files_read(root) {
-        let token = Token::of(token_area(&bytes), name.as_str());
+        let token = Token::of(&bytes, name.as_str());
         let seen = image_record::Seen::parse(&bytes);
         let record = match (&token, seen.record) {
             (t, Some(r)) if t.as_ref().is_none_or(|t| t.disabled) => Some(r),
