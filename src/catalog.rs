@@ -381,9 +381,8 @@ fn says_wal(file: &std::fs::File) -> bool {
     file.read_at(&mut byte, 19).is_ok_and(|n| n == 1) && byte[0] == 2
 }
 
-/// Why the file at `db`, read in pages of `page` bytes, is no catalog for its length alone, if it
-/// is not: SQLite counts pages in 32 bits, and takes the count of a longer file (a sparse one, of
-/// any length) modulo 2^32, as if it were empty or short.
+/// Why the file at `db`, in pages of `page` bytes, is too long to be a catalog, if so: SQLite counts
+/// pages in 32 bits, taking a longer (sparse) file's count modulo 2^32, as if empty or short.
 fn beyond_sqlite(db: &Path, page: u64) -> Option<String> {
     let size = std::fs::symlink_metadata(db).ok()?.len();
     (size / page.max(512) >= u32::MAX as u64)

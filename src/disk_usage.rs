@@ -406,10 +406,9 @@ impl Footprint {
         segs.sum::<u64>() + inodes.map(|i| i.bytes).sum::<u64>()
     }
 
-    /// Bytes of an image measured as `m` that others hold too: its ranges another image refers
-    /// to, and its inodes another image, or a name outside, holds. Not an extent flagged shared
-    /// that no other image refers to: shared outside the store it counts as the image's own, and
-    /// a rewrite written back later in the walk may have left it.
+    /// Bytes of an image measured as `m` that others hold too: ranges another image refers to,
+    /// inodes another image or a name outside holds. An extent flagged shared that no other image
+    /// refers to is the image's own (shared outside, or left by a rewrite since).
     pub fn shared(&self, m: &Measure) -> u64 {
         let segs = (m.shares.ranges.iter()).flat_map(|&(s, e)| self.segs.range(s..e));
         let segs = segs.filter(|(_, (_, n))| *n > 1).map(|(s, (e, _))| e - s);

@@ -41,9 +41,8 @@ const FOREIGN_WRITE_LEN: usize = 17;
 const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
 const LAST_USE_LEN: usize = 16;
 
-/// A reader refreshes an image's last use only once the recorded one is older than this (cargo uses
-/// the same: five minutes): most reads write nothing. `gc --unused-for D` counts unused only past
-/// D plus this. A test may shorten it ([`crate::env::DEBUG_USE_RESOLUTION_MS`]).
+/// A reader refreshes an image's last use only once the recorded one is older than this, so most
+/// reads write nothing; `gc --unused-for D` counts unused only past D plus this.
 pub fn last_use_resolution() -> Duration {
     crate::env::debug_ms(crate::env::DEBUG_USE_RESOLUTION_MS, 300_000)
 }
@@ -51,7 +50,7 @@ pub fn last_use_resolution() -> Duration {
 /// Outcome of a tree adopted without a record: unknown readiness proves no failure; gc keeps it.
 pub const ADOPTED: &str = "adopted (readiness unknown)";
 
-/// Outcome for an unreadable record: state unknown, so kept (and reported) like an adopted tree.
+/// Outcome for an unreadable record: kept and reported like an adopted tree.
 pub const UNKNOWN: &str = "record damaged (readiness unknown)";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -285,9 +284,7 @@ impl Seen {
 
     /// Whether this, read under a lock just taken from `path`, proves the file still at its path: a
     /// record (only holders write one), or a file never marked gone where lock files are not
-    /// unlinked (locally, an older build unlinked without marking: a stat costs nothing there). A
-    /// file to be written, or without a record, proves nothing if it has another name (`fstat`):
-    /// the stat check then refuses the hard link.
+    /// unlinked. A file to be written, or without a record, proves nothing with another name.
     pub fn proves_linked(&self, file: &File, path: &Path, writes: bool) -> bool {
         let one_name = || {
             crate::planted::type_and_links(file, false)
@@ -424,10 +421,8 @@ pub fn read_with_slot_a(file: &File) -> io::Result<(Seen, SlotA)> {
     Ok((Seen::parse(&bytes), a))
 }
 
-/// Whether `file` holds the record `seen` has still, as its holder last wrote or read it, and
-/// nothing later (one read). A writer (`in_flight`) asks too whether a writer that lost its lock
-/// wrote into the tree while its record was in flight (`F` naming it). Judged slot by slot: noise
-/// in the other slot (a record being mended) is no change.
+/// Whether `file` holds the record `seen` has still, and nothing later (one read); for a writer
+/// (`in_flight`), also no `F` hint naming it. Slot by slot: noise in the other slot is no change.
 pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<bool> {
     let (bytes, ours) = (read_area(file)?, seen.record.as_ref());
     let named = |r: &Record| foreign_write_in(&bytes) == Some(r.fingerprint());
@@ -557,9 +552,8 @@ pub fn recorded_ahead(seen: &Seen, now: Millis) -> bool {
 }
 
 /// Records a use at `now`, unless the recorded one is later: a clock behind makes no image older.
-/// A recorded use later than the lock file's last write (`written`, by the filesystem's clock)
-/// beyond the resolution was recorded by a clock ahead: this use replaces it, or it would keep the
-/// image as used until that clock's time.
+/// One later than the lock file's last write (`written`) beyond the resolution was a clock ahead:
+/// replaced, or it would keep the image as used until that clock's time.
 pub fn record_use(
     file: &File,
     seen: &mut Seen,

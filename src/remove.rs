@@ -212,10 +212,8 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     Ok(freed)
 }
 
-/// Before a removal's tree and then its record go: its lock, where it may be lost (measuring and a
-/// tree deleted in place take a while), must still be ours, else another may have finished the
-/// removal and written the name anew since; the record and the tree are left as the other left them
-/// (a `deleting` record is finished by the next gc or writer).
+/// Before a removal's tree and then its record go: its lock, where it may be lost, must still be
+/// ours, else another may have finished the removal and written the name anew; all is left as is.
 fn still_ours(held: &Held) -> Result<()> {
     match held.guard.lost() {
         None => Ok(()),

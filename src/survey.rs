@@ -175,9 +175,8 @@ pub struct Unlisted {
     pub why: &'static str,
 }
 
-/// The trees in the images directory that none of `images` is, each with why (a tree made since
-/// they were listed is not one: its record came first). Nothing where the directory cannot be
-/// listed (its absence is said elsewhere).
+/// The trees in the images directory that none of `images` is (one made since has a record), each
+/// with why. Nothing where the directory cannot be listed (said elsewhere).
 pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     let Ok(config) = crate::images_dir::config(root) else {
         return Vec::new();
