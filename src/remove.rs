@@ -74,13 +74,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let mut deleting = before.clone();
     deleting.state = State::Deleting;
     deleting.changed = clock::now_ms();
-    image_record::write_reserved(
-        held.guard.file(),
-        &mut held.seen,
-        &deleting,
-        &root.reserve(),
-    )
-    .with_context(|| format!("cannot write the record of image '{}'", held.name))?;
+    write_record(root, &mut held, &deleting)
+        .with_context(|| format!("cannot write the record of image '{}'", held.name))?;
     debug::pause("rm-marked");
     // 2. The tree leaves the images directory, the lock asked first where it may be lost: another
     // host that took it meanwhile may have finished this removal and written a new tree there.
@@ -170,13 +165,13 @@ fn after_take_out(
             (broken, e, what)
         }
     };
-    let _ = image_record::write_reserved(
-        held.guard.file(),
-        &mut held.seen,
-        &put_back,
-        &root.reserve(),
-    );
+    let _ = write_record(root, held, &put_back);
     Err(e.context(what))
+}
+
+/// Writes the record of the image `held`, on a full filesystem from the space kept for it.
+fn write_record(root: &Root, held: &mut Held, record: &Record) -> std::io::Result<()> {
+    image_record::write_reserved(held.guard.file(), &mut held.seen, record, &root.reserve())
 }
 
 /// Finishes a removal a crash cut short, for an image whose `deleting` record the caller found
