@@ -108,14 +108,12 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
             // nlink_t is narrower on some targets.
             #[allow(clippy::unnecessary_cast)]
             let nlink = st.st_nlink as u64;
-            let (bytes, names) = (blocks - shared, 1);
-            let linked = Linked {
+            out.shares.inodes.push(Linked {
                 key,
-                bytes,
-                names,
+                bytes: blocks - shared,
+                names: 1,
                 nlink,
-            };
-            out.shares.inodes.push(linked);
+            });
         }
         Ok(())
     })?;

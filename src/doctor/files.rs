@@ -59,11 +59,8 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
             let path = at.join(name);
             // The configuration is replaced by a rename, never written in place: another name for
             // it changes nothing outside.
-            let nlink = if name == crate::config::FILE {
-                1
-            } else {
-                st.nlink
-            };
+            let conf = name == crate::config::FILE;
+            let nlink = if conf { 1 } else { st.nlink };
             match crate::planted::kind_of(st.mode, nlink) {
                 Some(crate::planted::HARD_LINK) if holds_a_record(&dir, name) => {
                     shared_record(&path, report)

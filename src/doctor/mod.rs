@@ -563,15 +563,13 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
             return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {why:#}")));
         }
     };
-    // Intact but not writable (its journal cannot be made, an immutable root): every command
-    // does without it, so it is no healthy catalog.
-    if check == "ok"
-        && let Some(why) = crate::catalog::unwritable(&db)
-    {
-        let then = "commands go on from the images' records without it";
-        return Ok(report.catalog(Problem, format!("{shown} cannot be written: {why}; {then}")));
-    }
     if check == "ok" {
+        // Intact but not writable (its journal cannot be made, an immutable root): every command
+        // does without it, so it is no healthy catalog.
+        if let Some(why) = crate::catalog::unwritable(&db) {
+            let then = "commands go on from the images' records without it";
+            return Ok(report.catalog(Problem, format!("{shown} cannot be written: {why}; {then}")));
+        }
         let detail = format!("{shown}: intact, schema version {}", crate::catalog::SCHEMA);
         return Ok(report.catalog(Verdict::Ok, detail));
     }
