@@ -381,14 +381,6 @@ fn says_wal(file: &std::fs::File) -> bool {
     file.read_at(&mut byte, 19).is_ok_and(|n| n == 1) && byte[0] == 2
 }
 
-/// Why the file at `db`, in pages of `page` bytes, is too long to be a catalog, if so: SQLite counts
-/// pages in 32 bits, taking a longer (sparse) file's count modulo 2^32, as if empty or short.
-fn beyond_sqlite(db: &Path, page: u64) -> Option<String> {
-    let size = std::fs::symlink_metadata(db).ok()?.len();
-    (size / page.max(512) >= u32::MAX as u64)
-        .then(|| format!("{size} bytes long, more pages of {page} bytes than SQLite can count"))
-}
-
 /// The context of an error met switching a catalog back from WAL.
 const SWITCHED: &str = "the catalog was switched to WAL by another program";
 
@@ -568,11 +560,15 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     if mode.eq_ignore_ascii_case("wal") {
         leave_wal(conn).context(SWITCHED)?;
     }
-    let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))?;
-    if let Some(why) = conn
+    // SQLite counts pages in 32 bits, taking a longer (sparse) file's count modulo 2^32, as if it
+    // were empty or short: a file that long is no catalog.
+    let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))? as u64;
+    let size = conn
         .path()
-        .and_then(|db| beyond_sqlite(Path::new(db), page as u64))
-    {
+        .and_then(|db| std::fs::symlink_metadata(db).ok());
+    let size = size.map_or(0, |m| m.len());
+    if size / page.max(512) >= u32::MAX as u64 {
+        let why = format!("{size} bytes long, more pages of {page} bytes than SQLite can count");
         return Ok(Found::Replaced(why));
     }
     // One read: a catalog being made beside us (doctor looks unlocked) is never seen half made.
