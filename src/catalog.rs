@@ -133,8 +133,7 @@ pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
     ]
 }
 
-/// Fails unless `path` is missing or a regular file ([`open_plain`], then asked what it is).
-/// Returns it opened, if there.
+/// Fails unless `path` is missing or a regular file (`open_plain`); returns it opened, if there.
 pub fn check_plain_file(path: &Path, what: &str) -> Result<Option<std::fs::File>> {
     let opened = open_plain(path);
     // A stale handle: another host removed the file (a journal at its commit) since the lookup.
@@ -184,8 +183,7 @@ fn open_plain(path: &Path) -> std::io::Result<std::fs::File> {
 #[error("{0}")]
 pub struct CatalogError(pub String);
 
-/// A few tiny transactions per process: SQLite's lookaside and page cache are waste. Every open
-/// goes through [`open_no_wait`].
+/// Few tiny transactions per process: no lookaside or page cache. Every open: [`open_no_wait`].
 fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -301,8 +299,7 @@ pub fn unreadable(db: &Path) -> Option<std::io::Error> {
     None
 }
 
-/// The next region of `file` holding data at or after `at` (start, end), if any: the whole rest
-/// where the filesystem tells no holes.
+/// The next data region (start, end) of `file` at or after `at`; the rest if holes are not told.
 fn data_region(file: &std::fs::File, at: u64) -> Option<(u64, u64)> {
     use nix::unistd::{Whence, lseek};
     let start = match lseek(file, at as libc::off_t, Whence::SeekData) {
@@ -480,8 +477,7 @@ pub struct NeedsMigration;
 pub enum Legacy {
     /// This store's catalog of that release, at this schema version.
     Catalog(i64),
-    /// That release's tokens in the image lock files, its catalog lost (missing, emptied, damaged,
-    /// another's), as said here.
+    /// That release's tokens in the image lock files, its catalog lost (missing, damaged…): why.
     Lost(String),
 }
 

@@ -168,8 +168,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
         let st = match d.lstat_at(&name) {
             Ok(st) => st,
             Err(e) if gone(&e) => continue,
-            // A directory we may list but not search (mode 600): its inside is not seen, as one
-            // we may not list is not.
+            // A directory we may list but not search (mode 600): its inside is not seen.
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
                 whole = false;
                 stack.pop();

@@ -303,8 +303,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
 #[derive(Default)]
 pub(crate) struct Removals {
     pub finished: Vec<String>,
-    /// What deleting their trees in place freed (those moved to the trash count there); unfinished,
-    /// what deleting them would.
+    /// Freed deleting trees in place (the trash counts its own); unfinished, what that would free.
     pub bytes: u64,
     pub busy: Vec<String>,
     /// Another process (its remover) is at it.

@@ -252,15 +252,13 @@ impl Record {
 pub struct Seen {
     /// The record: the valid slot with the higher sequence number.
     pub record: Option<Record>,
-    /// Bytes in the record area but no valid slot: the state cannot be known (unless `legacy` and
-    /// the store is one to migrate).
+    /// Bytes in the record area but no valid slot: state unknown (unless `legacy`, to migrate).
     pub damaged: bool,
     /// Written by a release before records: migrate the store, if one to migrate (else damaged).
     pub legacy: bool,
     pub writer_waits: bool,
     pub store_wide: bool,
-    /// A writer whose lock was lost wrote into the tree while the writer of the record in flight
-    /// of this fingerprint held it (`F`).
+    /// `F`: a writer that lost its lock wrote into the tree during the write of this fingerprint.
     pub foreign_write: Option<u64>,
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
@@ -444,8 +442,7 @@ fn slot(bytes: &[u8], i: usize) -> Option<&[u8]> {
     bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
 }
 
-/// The file's first [`AREA`] bytes, or all it has: never more, whatever the file is (a huge file
-/// or a device costs one buffer).
+/// The file's first [`AREA`] bytes, or all it has: a huge file or a device costs one buffer.
 pub fn read_area(file: &File) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
@@ -533,14 +530,12 @@ pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }
 
-/// The last use the record and hints say, by the clocks of the hosts that wrote them: a write's
-/// use is its record's change.
+/// The last use the record and hints say, by their writers' clocks (a write's use: its change).
 pub fn recorded_use(seen: &Seen) -> Option<Millis> {
     seen.last_use.max(seen.record.as_ref().map(|r| r.changed))
 }
 
-/// Whether `used` is later than `now` by more than the resolution: by the clock `now` comes from, it
-/// is no time of use yet.
+/// Whether `used` is later than `now` beyond the resolution: by `now`'s clock, no use yet.
 fn ahead(used: Millis, now: Millis) -> bool {
     used.saturating_sub(now) > last_use_resolution().as_millis() as Millis
 }

@@ -176,8 +176,7 @@ fn hint_older_release(root: &Root) {
     }
 }
 
-/// The older release's store-wide holder record: while it stands and `store.lock` is held, its
-/// transactions claim no image.
+/// The older release's store-wide holder record: with `store.lock` held, it claims no image.
 fn mark_held_off(conn: &rusqlite::Connection) {
     let me = crate::ident::Me::current();
     let _ = conn.execute(
@@ -305,8 +304,7 @@ fn names(dir: &Dir) -> Vec<String> {
     names.filter_map(|n| n.into_string().ok()).collect()
 }
 
-/// The slot classes the older release's slot files state (`stowage-slot 2`: class, limit,
-/// reserve), each class once.
+/// The slot classes the older release's slot files state (class, limit, reserve), each once.
 fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
     let Ok(slots) = Dir::open_in_root(&root.slot_locks()) else {
         return Vec::new();
@@ -618,8 +616,7 @@ fn retire_catalog(
     }
 }
 
-/// Each slot class's limits, from the older catalog into its first slot file (its other files
-/// emptied of the older release's notes).
+/// Each slot class's limits, into its first slot file (the others emptied of older notes).
 fn slot_classes(root: &Root, old: &Old) -> Result<()> {
     for (class, limit, reserve) in &old.classes {
         let dir = crate::slots::make_class_dir(root, class)?;

@@ -193,8 +193,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
         );
     };
     let tree = images_dir.join(held.name.encoded());
-    // Measured before it goes: only the move tells whether it is deleted here or in the trash,
-    // which counts it there.
+    // Measured before it goes: only the move tells whether here or the trash frees it.
     let bytes = disk_usage::freed_by_deleting(&tree).unwrap_or(0);
     still_ours(&held)?;
     let freed = match take_out(root, &images, &trash, &tree, &held.name) {
@@ -247,8 +246,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
                 Err(e) => Taken::Partial(e),
             }
         }
-        // A name cached by a shared filesystem's client (another host moved the tree away a moment
-        // ago): the server says it is gone.
+        // A name a client cached (another host moved the tree away): the server says it is gone.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && trash_there(trash) => Taken::Gone,
         Err(e) => {
             use crate::dir::{DELETE_IN, MOVE};
@@ -267,8 +265,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
     }
 }
 
-/// Whether the trash opened as `trash` is still there: a rename into it that found nothing, then,
-/// found nothing to move.
+/// Whether the trash opened as `trash` is still there: a rename into it found nothing to move.
 fn trash_there(trash: &Dir) -> bool {
     crate::dir::fstat(trash).is_ok_and(|st| st.st_nlink > 0)
 }

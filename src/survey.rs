@@ -190,8 +190,7 @@ pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     let Ok(found) = orphans(&opened, &dir, &named, false) else {
         return Vec::new();
     };
-    // What is mounted over it, or another store's, holds no tree of ours (asked only where a tree
-    // is found: most listings find none).
+    // What is mounted over it, or another store's, holds no tree of ours (asked if one is found).
     if found.trees.is_empty() || crate::images_dir::not_usable(root, &dir).is_some() {
         return Vec::new();
     }
@@ -396,8 +395,7 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         if now.as_ref().map(Record::fingerprint) != Some(img.record.fingerprint()) {
             continue;
         }
-        // Named by our lease while it measures (on another host nothing else names the holder),
-        // unnamed before the lock goes.
+        // Named by our lease while it measures (nothing else does on another host); unnamed first.
         let rel = format!("images/{}", img.entry.file);
         let what = "stowage (measuring the image's size)";
         let hold = crate::lease::Holding::now(shared, rel.clone(), false, what);

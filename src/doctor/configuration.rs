@@ -115,8 +115,7 @@ fn whose(
 
 /// A store whose configuration went missing: no older catalog to migrate, and records.
 fn lost(root: &Root) -> Result<bool> {
-    // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost
-    // (the catalog's check reports it).
+    // A busy catalog may be an older release's mid-migration: not lost (the catalog check says).
     let legacy = match crate::catalog::legacy_state(root) {
         Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::Busy(_))) => {
             return Ok(false);

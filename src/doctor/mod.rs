@@ -773,8 +773,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        // By the listing, asked of the filesystem now: a client's cached lookup may miss a tree
-        // another host made a moment ago.
+        // By the listing, asked now: a client's cached lookup may miss a tree made on another host.
         let there = listed.contains(std::ffi::OsStr::new(n.encoded()));
         if !there && stand(e) {
             gone.push(n);
