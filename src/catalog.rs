@@ -210,9 +210,8 @@ fn configure_sqlite() {
     });
 }
 
-/// SQLite's open(2), never waiting: its hot-journal check would block on a FIFO planted after
-/// `check_files`, holding the global lock. Anything but a file or directory is refused (`ENXIO`);
-/// the descriptor blocks again, as SQLite expects.
+/// SQLite's open(2), never waiting (its hot-journal check would block on a FIFO planted since
+/// `check_files`, under the global lock): `ENXIO` unless a file or directory, then blocking.
 unsafe extern "C" fn open_no_wait(
     path: *const libc::c_char,
     flags: libc::c_int,
@@ -251,9 +250,8 @@ pub fn is_busy(err: &anyhow::Error) -> bool {
     said(err, BUSY)
 }
 
-/// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? A read that
-/// failed (EIO) looks like damage too: such a file is kept ([`unreadable`]), not set aside; and
-/// damage that `quick_check` on a connection of its own does not meet was a one-off read's.
+/// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? Not a failed
+/// read (EIO: kept, [`unreadable`]), nor damage `quick_check` on a new connection does not meet.
 pub fn is_damage(err: &anyhow::Error, db: &Path) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
         && unreadable(db).is_none()
@@ -481,9 +479,8 @@ pub enum Legacy {
     Lost(String),
 }
 
-/// What `root` holds of a release before records, if anything: its catalog ([`inspect_in`]) or,
-/// that lost, its tokens. An error only if the catalog is busy (it may be that release's): waited
-/// for once per process. Opened for writing where it may be, so a crash's transaction rolls back.
+/// What `root` holds of a release before records: its catalog ([`inspect_in`]) or, that lost, its
+/// tokens. Err only if busy (waited for once per process). Opened rw where it may be: rolls back.
 pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();

@@ -136,9 +136,8 @@ pub fn can_share(dir: &Path) -> bool {
 
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
-/// Calls `visit` for every entry under `dir` (the top as `(dir, ".")`), depth first, on the top's
-/// filesystem and mount. Entries that vanish are skipped; a directory we may not read counts as
-/// itself, and the walk returns false (it saw less than the tree).
+/// Calls `visit` on every entry under `dir` (the top as `.`), depth first, on the top's mount;
+/// skips vanished entries. False if a directory could not be read (counted as itself).
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {

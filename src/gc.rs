@@ -159,9 +159,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        // No ready image goes for the budget on sizes measured apart (a file hard-linked into two
-        // images counts in both): every image left is measured now, each inode once (where
-        // extents may be shared, or an image went for a reason of its own, every image was).
+        // Sizes measured apart count a file linked into two images twice: where not every image was
+        // measured together, each left is now, each inode once, before any goes for the budget.
         if budget.total > max && !shares && !going {
             let gone = report.size_before.saturating_sub(budget.total);
             budget = Budget::new(store, &rows, &unlisted, shares, true)?;

@@ -546,9 +546,8 @@ pub fn recorded_ahead(seen: &Seen, now: Millis) -> bool {
     recorded_use(seen).is_some_and(|used| ahead(used, now))
 }
 
-/// Records a use at `now`, unless the recorded one is later: a clock behind makes no image older.
-/// One later than the lock file's last write (`written`) beyond the resolution was a clock ahead:
-/// replaced, or it would keep the image as used until that clock's time.
+/// Records a use at `now`, unless the recorded one is later (a clock behind ages no image) and
+/// not later than the file's last write `written` beyond the resolution (a clock ahead).
 pub fn record_use(
     file: &File,
     seen: &mut Seen,
@@ -578,9 +577,8 @@ pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
     }
 }
 
-/// An image's last use as `images` shows it and gc decides on: the recorded one (`recorded`), but
-/// never later than the resolution after its lock file was last written by the filesystem's clock
-/// (`written`), as a later one is a clock ahead. Unknown (negative) stays so.
+/// An image's last use as shown and gc decides on: `recorded`, but never later than the resolution
+/// after the lock file's last write `written` (a clock ahead). Unknown (negative) stays so.
 pub fn last_use(recorded: Millis, written: Option<Millis>) -> Millis {
     let res = last_use_resolution().as_millis() as Millis;
     // A filesystem that says no time (0) bounds nothing: lowered, an image would look unused.

@@ -276,9 +276,8 @@ fn markers(root: &Root) -> BTreeSet<String> {
         .collect()
 }
 
-/// The first bytes of the file `name` in `dir` (a directory of the layout), as much as a record
-/// reader reads: anything planted there (a FIFO, a link to `/dev/zero`, a huge file) is refused
-/// without waiting, or costs one buffer, never hanging a migration under the store-wide hold.
+/// The first bytes of `name` in `dir`, as a record reader reads them: what is planted there is
+/// refused without waiting, or costs one buffer, never hanging a migration under the hold.
 fn read_old_file(dir: &Dir, name: &str) -> Option<Vec<u8>> {
     let file = dir.open_read(name).ok()?;
     image_record::read_area(&file).ok()
@@ -477,9 +476,8 @@ fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<R
         (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),
         (None, _, _) => return None,
     };
-    // Without a row that release recorded no creation: its token's last use, so gc's age and
-    // order stay what they were; else the tree's time, as an adoption takes it, and as there a
-    // last use of now (a tree's time says nothing of its use: gc must not take it for one).
+    // No row: that release recorded no creation: its token's last use keeps gc's age and order;
+    // else the tree's time and a last use of now (a tree's time says nothing of use).
     let (created, changed) = match (row, token.and_then(|t| t.used)) {
         (Some(r), _) => (r.created, r.created),
         (None, Some(used)) => (used, used),

@@ -174,9 +174,8 @@ fn write_record(root: &Root, held: &mut Held, record: &Record) -> std::io::Resul
     image_record::write_reserved(held.guard.file(), &mut held.seen, record, &root.reserve())
 }
 
-/// Finishes a removal a crash cut short, for an image whose `deleting` record the caller found
-/// under its exclusive lock: the tree leaves the images directory, the record goes. The bytes it
-/// freed if the tree was deleted in place (one moved to the trash frees them there).
+/// Finishes a removal a crash cut short (its `deleting` record found under its exclusive lock):
+/// the tree leaves, the record goes. Bytes freed if deleted in place (the trash counts its own).
 pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let Some(record) = held.seen.record.as_ref() else {
         return Ok(0);

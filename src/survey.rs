@@ -109,9 +109,8 @@ pub fn orphans(
         if !e.is_dir() {
             continue;
         }
-        // Another filesystem mounted there is no tree: nothing of it is ours to adopt, measure or
-        // count (it would never be freed): asked by mount, as a bind mount keeps the device and a
-        // btrfs subvolume has one of its own on the same mount.
+        // Another filesystem mounted there holds no tree of ours: asked by mount id, as bind mounts
+        // keep the device and a btrfs subvolume has its own on the same mount.
         let mount = || images.mount_id().ok().flatten();
         let (dev, mnt) = here.get_or_init(|| (images.stat().map_or(e.dev, |d| d.dev), mount()));
         let mounted = match (mnt, images.mount_id_at(&raw)) {

@@ -674,9 +674,8 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
 fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut Report) {
     let claim = crate::claim::read(images);
     let mine = crate::images_dir::my_claim(root, config).ok();
-    // Another's claim is reported where the trees are judged; a claim of this root's `img` under
-    // another id (a configuration made anew) is put right by a repair.
-    // Ours whatever root path it names (the root seen through another mount is the same root).
+    // Another's claim is reported with the trees; ours under another id (a configuration made anew)
+    // is put right by a repair, whatever root path it names (another mount of the same root).
     let ours = claim
         .as_ref()
         .is_some_and(|c| mine.as_ref().is_some_and(|m| c.same_store(m)));
@@ -844,9 +843,8 @@ fn orphan_trees(
     Ok(())
 }
 
-/// Whether a record in `state` says no more than its tree does, so that tree gone, the image is:
-/// a ready one's, or one adopted without a record (the tree was all there was of it; adopted from
-/// a lookup a client's cache answered, it would stay forever). A failed writer's may have no tree.
+/// Whether a record in `state` says no more than its tree, so that tree gone, the image is: a
+/// ready one's or an adopted one's (kept forever if adopted from a client's stale lookup).
 fn stands_for_its_tree(r: &Record, state: State) -> bool {
     state == State::Ready || (state == State::Incomplete && r.outcome.as_deref() == Some(ADOPTED))
 }
