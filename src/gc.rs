@@ -135,8 +135,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let unlisted = crate::survey::unlisted(store.root(), &rows);
     rows.retain(|i| i.state != State::Deleting);
     let cutoff = cutoff(policy);
-    // An image that goes for a reason of its own counts what its removal frees: every image is
-    // measured afresh (a file another image, or a name outside, holds too frees nothing).
+    // An image that goes for a reason of its own counts what its removal frees (module doc).
     let going = rows
         .iter()
         .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));

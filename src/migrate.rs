@@ -428,9 +428,8 @@ impl Token {
     }
 }
 
-/// Writes `r` unless the record there says the same (each pass derives anew: the older release may
-/// have changed the image since). The token stays in slot A, the record goes in slot B (odd
-/// sequence numbers), so every pass, and one after a write cut short, derives from it.
+/// Writes `r` unless the record there says the same, in slot B (odd sequence numbers): the token
+/// stays in slot A for every pass to derive from (module doc).
 fn write_beside_token(
     file: &std::fs::File,
     mut seen: image_record::Seen,
