@@ -805,17 +805,9 @@ fn orphan_trees(
         let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
         report.add("images", Info, detail);
     }
-    let (how, state, why) = match config.adopting {
-        true => (
-            Adopt::AsReady,
-            "ready",
-            "an init adopting them so was interrupted",
-        ),
-        false => (
-            Adopt::Unknown,
-            "incomplete",
-            "whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)",
-        ),
+    let (how, state) = match config.adopting {
+        true => (Adopt::AsReady, "ready"),
+        false => (Adopt::Unknown, "incomplete"),
     };
     if !repair {
         let orphaned: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
@@ -834,6 +826,10 @@ fn orphan_trees(
     }
     let n = done.names.len();
     report.naming("images", Repaired, &done.names, |names| {
+        let why = match config.adopting {
+            true => "an init adopting them so was interrupted",
+            false => "whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)",
+        };
         format!("adopted {n} tree(s) without a record ({names}) as {state}: {why}")
     });
     for why in done.left {
