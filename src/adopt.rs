@@ -85,9 +85,8 @@ fn adopt_one(
     if !seen.unrecorded() {
         return Ok(false);
     }
-    // Again under the lock, by evidence no client's cache fakes: an undone new-image start may
-    // have taken its tree back since, or an `rm` on another host moved it to the trash (its record
-    // emptied) before this lock was had, while a lookup here still finds it.
+    // Again under the lock, by evidence no client's cache fakes: an undone start, or an `rm` on
+    // another host, may have taken its tree since, while a lookup here still finds it.
     let there = (tree.parent().zip(tree.file_name().and_then(|n| n.to_str())))
         .and_then(|(dir, encoded)| crate::images_dir::tree_there(dir, encoded));
     if there != Some(true) || !std::fs::symlink_metadata(tree).is_ok_and(|m| m.is_dir()) {

@@ -133,13 +133,9 @@ pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
     ]
 }
 
-/// Fails unless `path` is missing or a regular file: opened without following a link and without
-/// blocking (a FIFO's open would wait), then asked what it is. Returns it opened, if there.
+/// Fails unless `path` is missing or a regular file (`open_plain`); returns it opened, if there.
 pub fn check_plain_file(path: &Path, what: &str) -> Result<Option<std::fs::File>> {
-    let opened = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(crate::planted::FLAGS)
-        .open(path);
+    let opened = open_plain(path);
     // A stale handle: another host removed the file (a journal at its commit) since the lookup.
     let gone = |e: &std::io::Error| {
         e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE)
@@ -173,13 +169,21 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<Option<std::fs::File>
     .into())
 }
 
+/// `path` opened for reading, no link followed, without blocking (`planted::FLAGS`).
+fn open_plain(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options
+        .read(true)
+        .custom_flags(crate::planted::FLAGS)
+        .open(path)
+}
+
 /// An error that already names the catalog file.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct CatalogError(pub String);
 
-/// A stowage process runs a few tiny transactions: SQLite's lookaside and page cache are waste.
-/// And SQLite's every open goes through [`open_no_wait`].
+/// Few tiny transactions per process: no lookaside or page cache. Every open: [`open_no_wait`].
 fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -206,10 +210,8 @@ fn configure_sqlite() {
     });
 }
 
-/// SQLite's open(2). Its hot-journal check opens the journal read-only, which waits for a writer
-/// if a FIFO was put there after our check (`check_files`), holding the global lock. Opened
-/// without waiting instead, anything but a file or directory is refused (`ENXIO`: SQLite cannot
-/// open it, and the error names what is there); the descriptor blocks again, as SQLite expects.
+/// SQLite's open(2), never waiting (its hot-journal check would block on a FIFO planted since
+/// `check_files`, under the global lock): `ENXIO` unless a file or directory, then blocking.
 unsafe extern "C" fn open_no_wait(
     path: *const libc::c_char,
     flags: libc::c_int,
@@ -248,19 +250,12 @@ pub fn is_busy(err: &anyhow::Error) -> bool {
     said(err, BUSY)
 }
 
-/// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? SQLite takes a
-/// read that failed (EIO from a dying disk) for damage too: a file that cannot be read whole is
-/// an I/O error, kept ([`unreadable`]), never set aside as damaged, command after command.
+/// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? Not a failed
+/// read (EIO: kept, [`unreadable`]), nor damage `quick_check` on a new connection does not meet.
 pub fn is_damage(err: &anyhow::Error, db: &Path) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
         && unreadable(db).is_none()
-        && !checks_ok(db)
-}
-
-/// Whether a look of its own (`PRAGMA quick_check`, on a connection of its own) finds the catalog
-/// sound: damage one read said it met, and the next does not, was the read's (a one-off EIO).
-fn checks_ok(db: &Path) -> bool {
-    open(db).is_ok_and(|conn| quick_check(&conn).is_ok_and(|answer| answer == "ok"))
+        && !open(db).is_ok_and(|conn| quick_check(&conn).is_ok_and(|answer| answer == "ok"))
 }
 
 /// SQLite's own check of the database: "ok", or lines saying what is wrong.
@@ -273,22 +268,15 @@ pub fn inspect_file(db: &Path, root: &Root) -> Result<Found> {
     inspect_in(&open(db)?, root)
 }
 
-/// The most of the catalog's data [`unreadable`] reads. A catalog stowage makes is far smaller (a
-/// row per image: some 300,000 images), so a read that fails in one made anew is always found; one
-/// past it in a larger file costs at most a rebuild. And it is read under the global lock, so a
-/// file of any size planted there holds nobody up for more than a moment.
+/// The most of the catalog's data [`unreadable`] reads: more than a catalog of some 300,000 images
+/// takes, and little enough that a huge file planted there holds the global lock only a moment.
 const READ_BOUND: u64 = 64 << 20;
 
-/// Why the regular file at `db` cannot be read, if it cannot: its data read once, only where it has
-/// any (a hole reads as zeros from no disk, and a sparse file may claim exabytes), [`READ_BOUND`]
-/// bytes at most.
+/// Why the regular file at `db` cannot be read, if so: its data read once, [`READ_BOUND`] bytes at
+/// most, only where it has any (a sparse file may claim exabytes of holes).
 pub fn unreadable(db: &Path) -> Option<std::io::Error> {
     use std::os::unix::fs::FileExt as _;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(crate::planted::FLAGS)
-        .open(db)
-        .ok()?;
+    let file = open_plain(db).ok()?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {
         return None;
     }
@@ -309,8 +297,7 @@ pub fn unreadable(db: &Path) -> Option<std::io::Error> {
     None
 }
 
-/// The next region of `file` holding data at or after `at` (start, end), if any: the whole rest
-/// where the filesystem tells no holes.
+/// The next data region (start, end) of `file` at or after `at`; the rest if holes are not told.
 fn data_region(file: &std::fs::File, at: u64) -> Option<(u64, u64)> {
     use nix::unistd::{Whence, lseek};
     let start = match lseek(file, at as libc::off_t, Whence::SeekData) {
@@ -333,19 +320,25 @@ pub fn is_refused(err: &anyhow::Error) -> bool {
 /// it may not: the file and the cause, as [`crate::planted::denied`] words them.
 pub fn unwritable(db: &Path) -> Option<String> {
     use nix::unistd::{AccessFlags, access};
-    for path in [db.to_owned(), beside(db, "-journal")] {
-        let rw = AccessFlags::R_OK | AccessFlags::W_OK;
-        if std::fs::symlink_metadata(&path).is_ok() && access(&path, rw).is_err() {
-            let shown = path.display();
-            let not = || format!("{shown} may not be written by you");
-            return Some(crate::planted::denied(&path).unwrap_or_else(not));
-        }
+    let files = [db.to_owned(), beside(db, "-journal")];
+    if let Some(why) = files.iter().find_map(|p| denied(p)) {
+        return Some(why);
     }
     let dir = db.parent()?;
     let wx = AccessFlags::W_OK | AccessFlags::X_OK;
     access(dir, wx).is_err().then(|| {
         let dir = dir.display();
         format!("{dir} may not be written by you, and the catalog's journal is made there")
+    })
+}
+
+/// Why this process may not read and write the file at `path`, if it is there and may not.
+fn denied(path: &Path) -> Option<String> {
+    use nix::unistd::{AccessFlags, access};
+    let there = std::fs::symlink_metadata(path).is_ok();
+    (there && access(path, AccessFlags::R_OK | AccessFlags::W_OK).is_err()).then(|| {
+        let not = || format!("{} may not be written by you", path.display());
+        crate::planted::denied(path).unwrap_or_else(not)
     })
 }
 
@@ -373,11 +366,7 @@ fn said(err: &anyhow::Error, codes: &[ErrorCode]) -> bool {
 /// Whether the database at `db` says it is in WAL mode: its read version (header byte 19) is 2,
 /// and SQLite opens its WAL and the WAL's index to read it. One read, no link followed, no wait.
 pub fn in_wal(db: &Path) -> bool {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(crate::planted::FLAGS)
-        .open(db);
-    file.is_ok_and(|f| says_wal(&f))
+    open_plain(db).is_ok_and(|f| says_wal(&f))
 }
 
 /// [`in_wal`] of the catalog already open: one read.
@@ -387,23 +376,12 @@ fn says_wal(file: &std::fs::File) -> bool {
     file.read_at(&mut byte, 19).is_ok_and(|n| n == 1) && byte[0] == 2
 }
 
-/// Why the file at `db`, read in pages of `page` bytes, is no catalog for its length alone, if it
-/// is not: SQLite counts pages in 32 bits, and takes the count of a longer file (a sparse one, of
-/// any length) modulo 2^32, as if it were empty or short.
-fn beyond_sqlite(db: &Path, page: u64) -> Option<String> {
-    let size = std::fs::symlink_metadata(db).ok()?.len();
-    (size / page.max(512) >= u32::MAX as u64)
-        .then(|| format!("{size} bytes long, more pages of {page} bytes than SQLite can count"))
-}
-
 /// The context of an error met switching a catalog back from WAL.
 const SWITCHED: &str = "the catalog was switched to WAL by another program";
 
-/// Switches a catalog its header says another program put in WAL mode back to the rollback
-/// journal, on connections of its own. SQLite shares WAL's index through memory mapped from the
-/// `-shm` file, which a filesystem may refuse (FUSE: GlusterFS) and another user's file deny;
-/// then on a connection in exclusive locking mode, which keeps the index in its own memory (and
-/// the file to itself while it lives, as the global lock keeps the catalog to us anyway).
+/// Switches a catalog another program put in WAL mode back to the rollback journal, on connections
+/// of its own: first shared; then, where the `-shm` mapping is refused (FUSE) or denied, in
+/// exclusive locking mode, which keeps WAL's index in its own memory.
 fn leave_outside_wal(db: &Path) -> Result<()> {
     let rw = OpenFlags::SQLITE_OPEN_READ_WRITE;
     let leave = |exclusive: bool| {
@@ -414,21 +392,22 @@ fn leave_outside_wal(db: &Path) -> Result<()> {
         conn.query_row("PRAGMA journal_mode", [], |r| r.get::<_, String>(0))?;
         leave_wal(&conn)
     };
-    let busy = |e: &rusqlite::Error| e.sqlite_error_code().is_some_and(|c| BUSY.contains(&c));
-    let shared = match leave(false) {
-        Ok(()) => return Ok(()),
-        Err(e) if busy(&e) => return Err(anyhow::Error::from(e).context(SWITCHED)),
-        Err(e) => e,
-    };
-    match leave(true) {
-        Ok(()) => Ok(()),
-        Err(e) if busy(&e) => Err(anyhow::Error::from(e).context(SWITCHED)),
-        Err(alone) => Err(StuckInWal {
-            db: db.to_owned(),
-            why: wal_trouble(db, &shared, &alone),
+    let mut failed = Vec::new();
+    for exclusive in [false, true] {
+        match leave(exclusive) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.sqlite_error_code().is_some_and(|c| BUSY.contains(&c)) => {
+                return Err(anyhow::Error::from(e).context(SWITCHED));
+            }
+            Err(e) => failed.push(e),
         }
-        .into()),
     }
+    let why = wal_trouble(db, &failed[0], &failed[1]);
+    Err(StuckInWal {
+        db: db.to_owned(),
+        why,
+    }
+    .into())
 }
 
 /// What keeps a catalog in WAL mode from being opened here, as far as it can be told: `shared`
@@ -450,19 +429,9 @@ fn wal_trouble(db: &Path, shared: &rusqlite::Error, alone: &rusqlite::Error) -> 
     let no_shm = shm.contains(&extended(shared)).then(|| {
         "its filesystem cannot map WAL's index into shared memory (as FUSE cannot)".to_owned()
     });
-    let denied = || {
-        files(db)[1..].iter().find_map(|(path, _)| {
-            let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
-            let there = std::fs::symlink_metadata(path).is_ok();
-            (there && nix::unistd::access(path, rw).is_err()).then(|| {
-                crate::planted::denied(path)
-                    .unwrap_or_else(|| format!("{} may not be written by you", path.display()))
-            })
-        })
-    };
     let why = no_shm
         .or_else(|| unwritable(db))
-        .or_else(denied)
+        .or_else(|| files(db)[1..].iter().find_map(|(path, _)| denied(path)))
         .unwrap_or_else(|| shared.to_string());
     format!("{why}, and without it: {alone}")
 }
@@ -506,16 +475,12 @@ pub struct NeedsMigration;
 pub enum Legacy {
     /// This store's catalog of that release, at this schema version.
     Catalog(i64),
-    /// That release's tokens in the image lock files, its catalog lost (missing, emptied, damaged,
-    /// another's), as said here.
+    /// That release's tokens in the image lock files, its catalog lost (missing, damaged…): why.
     Lost(String),
 }
 
-/// What `root` holds of a release before records, if anything: its catalog (see [`inspect_in`]),
-/// or, that lost, its tokens ([`Root::older_release_left`]). An error only if the catalog could not be
-/// asked (busy: it may be that release's): one process waits for it once
-/// ([`busy_timeout`]), then is told at once. Opened for writing where it may be, so a transaction a
-/// crash cut short is rolled back first, as any use would.
+/// What `root` holds of a release before records: its catalog ([`inspect_in`]) or, that lost, its
+/// tokens. Err only if busy (waited for once per process). Opened rw where it may be: rolls back.
 pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();
@@ -523,19 +488,17 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     let found = if !path.is_file() {
         Ok(Found::Replaced("missing".into()))
     } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
-        Err(busy_again(&path))
+        // A second look gives the error without waiting again.
+        let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
+        let why = format!("{} stayed locked by another program", path.display());
+        Err(rusqlite::Error::SqliteFailure(busy, Some(why)).into())
     } else {
-        (if wal {
-            leave_outside_wal(&path)
-        } else {
-            Ok(())
+        let left = wal.then(|| leave_outside_wal(&path)).transpose();
+        left.and_then(|_| {
+            let rw = connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE);
+            let conn = rw.or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))?;
+            inspect_in(&conn, root)
         })
-        .and_then(|()| {
-            connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-                .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
-                .map_err(anyhow::Error::from)
-        })
-        .and_then(|conn| inspect_in(&conn, root))
     };
     let why = match found {
         Ok(Found::Legacy(v)) => return Ok(Some(Legacy::Catalog(v))),
@@ -563,16 +526,8 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     Ok(root.older_release_left().then_some(Legacy::Lost(why)))
 }
 
-/// The error a second look at a catalog found busy gives without waiting again.
-fn busy_again(path: &Path) -> anyhow::Error {
-    let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
-    let why = format!("{} stayed locked by another program", path.display());
-    anyhow::Error::from(rusqlite::Error::SqliteFailure(busy, Some(why)))
-}
-
-/// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate
-/// only if it is this store's: no configuration of this release there, and the identity that
-/// release stated in the global lock file is its own. Else it was put in place of ours.
+/// What the open database is, as `root`'s catalog: an older release's is one to migrate only if no
+/// configuration of this release is there and the global lock file names its identity.
 pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let found = inspect(conn)?;
     let Found::Legacy(v) = found else {
@@ -598,11 +553,15 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     if mode.eq_ignore_ascii_case("wal") {
         leave_wal(conn).context(SWITCHED)?;
     }
-    let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))?;
-    if let Some(why) = conn
+    // SQLite counts pages in 32 bits, taking a longer (sparse) file's count modulo 2^32, as if it
+    // were empty or short: a file that long is no catalog.
+    let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))? as u64;
+    let size = conn
         .path()
-        .and_then(|db| beyond_sqlite(Path::new(db), page as u64))
-    {
+        .and_then(|db| std::fs::symlink_metadata(db).ok());
+    let size = size.map_or(0, |m| m.len());
+    if size / page.max(512) >= u32::MAX as u64 {
+        let why = format!("{size} bytes long, more pages of {page} bytes than SQLite can count");
         return Ok(Found::Replaced(why));
     }
     // One read: a catalog being made beside us (doctor looks unlocked) is never seen half made.
@@ -657,9 +616,8 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     })
 }
 
-/// Whether the database holds the one table this release makes, as it makes it or as the release
-/// before `size_record` made it: nothing added (a trigger, an index, a view), nothing changed (a
-/// type, a key, a check). SQLite keeps each object's statement as written, so this is one read.
+/// Whether the database holds only the table this release makes (with or without `size_record`),
+/// as made: nothing added or changed. SQLite keeps each statement as written: one read.
 fn is_ours(objects: &[[String; 3]]) -> bool {
     // Spaces only where SQLite needs them: `ALTER TABLE … ADD COLUMN` appends its own way.
     let squeeze = |sql: &str| {

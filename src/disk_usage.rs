@@ -108,14 +108,12 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
             // nlink_t is narrower on some targets.
             #[allow(clippy::unnecessary_cast)]
             let nlink = st.st_nlink as u64;
-            let (bytes, names) = (blocks - shared, 1);
-            let linked = Linked {
+            out.shares.inodes.push(Linked {
                 key,
-                bytes,
-                names,
+                bytes: blocks - shared,
+                names: 1,
                 nlink,
-            };
-            out.shares.inodes.push(linked);
+            });
         }
         Ok(())
     })?;
@@ -138,9 +136,8 @@ pub fn can_share(dir: &Path) -> bool {
 
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
-/// Calls `visit` for every entry under `dir` (the top as `(dir, ".")`), depth first, on the top's
-/// filesystem and mount. Entries that vanish are skipped; a directory we may not read counts as
-/// itself, and the walk returns false (it saw less than the tree).
+/// Calls `visit` on every entry under `dir` (the top as `.`), depth first, on the top's mount;
+/// skips vanished entries. False if a directory could not be read (counted as itself).
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
@@ -170,8 +167,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
         let st = match d.lstat_at(&name) {
             Ok(st) => st,
             Err(e) if gone(&e) => continue,
-            // A directory we may list but not search (mode 600): its inside is not seen, as one
-            // we may not list is not.
+            // A directory we may list but not search (mode 600): its inside is not seen.
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
                 whole = false;
                 stack.pop();
@@ -406,10 +402,9 @@ impl Footprint {
         segs.sum::<u64>() + inodes.map(|i| i.bytes).sum::<u64>()
     }
 
-    /// Bytes of an image measured as `m` that others hold too: its ranges another image refers
-    /// to, and its inodes another image, or a name outside, holds. Not an extent flagged shared
-    /// that no other image refers to: shared outside the store it counts as the image's own, and
-    /// a rewrite written back later in the walk may have left it.
+    /// Bytes of an image measured as `m` that others hold too: ranges another image refers to,
+    /// inodes another image or a name outside holds. An extent flagged shared that no other image
+    /// refers to is the image's own (shared outside, or left by a rewrite since).
     pub fn shared(&self, m: &Measure) -> u64 {
         let segs = (m.shares.ranges.iter()).flat_map(|&(s, e)| self.segs.range(s..e));
         let segs = segs.filter(|(_, (_, n))| *n > 1).map(|(s, (e, _))| e - s);

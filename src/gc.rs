@@ -135,8 +135,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let unlisted = crate::survey::unlisted(store.root(), &rows);
     rows.retain(|i| i.state != State::Deleting);
     let cutoff = cutoff(policy);
-    // An image that goes for a reason of its own counts what its removal frees: every image is
-    // measured afresh (a file another image, or a name outside, holds too frees nothing).
+    // An image that goes for a reason of its own counts what its removal frees (module doc).
     let going = rows
         .iter()
         .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));
@@ -159,9 +158,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        // No ready image goes for the budget on sizes measured apart (a file hard-linked into two
-        // images counts in both): every image left is measured now, each inode once (where
-        // extents may be shared, or an image went for a reason of its own, every image was).
+        // Sizes measured apart count a file linked into two images twice: where not every image was
+        // measured together, each left is now, each inode once, before any goes for the budget.
         if budget.total > max && !shares && !going {
             let gone = report.size_before.saturating_sub(budget.total);
             budget = Budget::new(store, &rows, &unlisted, shares, true)?;
@@ -207,8 +205,8 @@ struct Budget {
 }
 
 impl Budget {
-    /// What each image takes, measured where not known, where extents may be shared, or `fresh`;
-    /// and each unlisted tree, always measured (never removed, it counts all the same).
+    /// What each unlisted tree (never removed, it counts all the same) and image takes, measured
+    /// where not known (always, for a tree), where extents may be shared, or `fresh`.
     fn new(
         store: &Store,
         rows: &[Image],
@@ -217,27 +215,25 @@ impl Budget {
         fresh: bool,
     ) -> Result<Budget> {
         let mut cost = HashMap::new();
-        for u in unlisted {
+        let unlisted = unlisted
+            .iter()
+            .map(|u| (u.name.as_str(), u.tree.clone(), None));
+        let rows = rows.iter().map(|r| {
+            let tree = crate::images_dir::tree_of(store.root(), &r.record);
+            (r.name(), tree, r.size)
+        });
+        for (name, tree, size) in unlisted.chain(rows) {
             crate::signals::check()?;
-            let (own, shares) = match disk_usage::measure(&u.tree, shares) {
-                Ok(m) => (m.own(), m.shares),
-                Err(_) => (0, Shares::default()),
-            };
-            cost.insert(u.name.as_str().to_owned(), Cost { own, shares });
-        }
-        for r in rows {
-            crate::signals::check()?;
-            let tree = || crate::images_dir::tree_of(store.root(), &r.record);
             let measured =
-                (fresh || shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
-            let kept = r.size.unwrap_or(0);
+                (fresh || shares || size.is_none()).then(|| disk_usage::measure(&tree, shares));
+            let kept = size.unwrap_or(0);
             let (own, shares) = match measured.and_then(Result::ok) {
                 // Seen in part (a directory we may not read): a size kept whole says more.
                 Some(m) if m.partial => (m.own().max(kept), m.shares),
                 Some(m) => (m.own(), m.shares),
                 None => (kept, Shares::default()),
             };
-            cost.insert(r.name().to_owned(), Cost { own, shares });
+            cost.insert(name.to_owned(), Cost { own, shares });
         }
         let footprint = disk_usage::Footprint::new(cost.values().map(|c| &c.shares));
         let total = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
@@ -305,8 +301,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
 #[derive(Default)]
 pub(crate) struct Removals {
     pub finished: Vec<String>,
-    /// What deleting their trees in place freed (those moved to the trash count there); unfinished,
-    /// what deleting them would.
+    /// Freed deleting trees in place (the trash counts its own); unfinished, what that would free.
     pub bytes: u64,
     pub busy: Vec<String>,
     /// Another process (its remover) is at it.
@@ -466,6 +461,7 @@ fn collect(
         return Ok(false);
     };
     let root = store.root().clone();
+    let path = root.image_lock(&name);
     let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
         Ok(Some(h)) => h,
         Ok(None) => {
@@ -473,13 +469,7 @@ fn collect(
             return Ok(false);
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => {
-            return Err(lock::error(
-                &format!("image '{name}'"),
-                &root.image_lock(&name),
-                e,
-            ));
-        }
+        Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
     };
     let Some(now) = held.seen.record.clone() else {
         return Ok(false);
@@ -490,9 +480,7 @@ fn collect(
         return Ok(false);
     }
     // The record read under the lock is the truth (a write in flight is dead); last use as the
-    // survey has it, bounded by when the lock file was written since.
-    let path = root.image_lock(&name);
-    // Not told why not: kept, as nothing shows it unused.
+    // survey has it, bounded by when the lock file was written since. Not told why not: kept, as nothing shows it unused.
     let Ok(written) = crate::planted::check_dated(&path, held.guard.file()) else {
         return Ok(false);
     };

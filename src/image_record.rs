@@ -41,9 +41,8 @@ const FOREIGN_WRITE_LEN: usize = 17;
 const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
 const LAST_USE_LEN: usize = 16;
 
-/// A reader refreshes an image's last use only once the recorded one is older than this (cargo uses
-/// the same: five minutes): most reads write nothing. `gc --unused-for D` counts unused only past
-/// D plus this. A test may shorten it ([`crate::env::DEBUG_USE_RESOLUTION_MS`]).
+/// A reader refreshes an image's last use only once the recorded one is older than this, so most
+/// reads write nothing; `gc --unused-for D` counts unused only past D plus this.
 pub fn last_use_resolution() -> Duration {
     crate::env::debug_ms(crate::env::DEBUG_USE_RESOLUTION_MS, 300_000)
 }
@@ -51,7 +50,7 @@ pub fn last_use_resolution() -> Duration {
 /// Outcome of a tree adopted without a record: unknown readiness proves no failure; gc keeps it.
 pub const ADOPTED: &str = "adopted (readiness unknown)";
 
-/// Outcome for an unreadable record: state unknown, so kept (and reported) like an adopted tree.
+/// Outcome for an unreadable record: kept and reported like an adopted tree.
 pub const UNKNOWN: &str = "record damaged (readiness unknown)";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -253,15 +252,13 @@ impl Record {
 pub struct Seen {
     /// The record: the valid slot with the higher sequence number.
     pub record: Option<Record>,
-    /// Bytes in the record area but no valid slot: the state cannot be known (unless `legacy` and
-    /// the store is one to migrate).
+    /// Bytes in the record area but no valid slot: state unknown (unless `legacy`, to migrate).
     pub damaged: bool,
     /// Written by a release before records: migrate the store, if one to migrate (else damaged).
     pub legacy: bool,
     pub writer_waits: bool,
     pub store_wide: bool,
-    /// A writer whose lock was lost wrote into the tree while the writer of the record in flight
-    /// of this fingerprint held it (`F`).
+    /// `F`: a writer that lost its lock wrote into the tree during the write of this fingerprint.
     pub foreign_write: Option<u64>,
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
@@ -285,9 +282,7 @@ impl Seen {
 
     /// Whether this, read under a lock just taken from `path`, proves the file still at its path: a
     /// record (only holders write one), or a file never marked gone where lock files are not
-    /// unlinked (locally, an older build unlinked without marking: a stat costs nothing there). A
-    /// file to be written, or without a record, proves nothing if it has another name (`fstat`):
-    /// the stat check then refuses the hard link.
+    /// unlinked. A file to be written, or without a record, proves nothing with another name.
     pub fn proves_linked(&self, file: &File, path: &Path, writes: bool) -> bool {
         let one_name = || {
             crate::planted::type_and_links(file, false)
@@ -321,11 +316,10 @@ impl Seen {
                 ..Seen::default()
             };
         }
-        let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
-        let a = slot(0).and_then(Record::decode);
-        let b = slot(1).and_then(Record::decode);
+        let decoded = |i| slot(bytes, i).and_then(Record::decode);
+        let (a, b) = (decoded(0), decoded(1));
         let noise =
-            |i: usize, valid: bool| !valid && slot(i).is_some_and(|s| s.iter().any(|&b| b != 0));
+            |i, valid: bool| !valid && slot(bytes, i).is_some_and(|s| s.iter().any(|&b| b != 0));
         let torn = noise(0, a.is_some()) || noise(1, b.is_some());
         let top_seq = a.iter().chain(&b).map(|r| r.seq).max().unwrap_or(0);
         let record = match (a, b) {
@@ -335,14 +329,14 @@ impl Seen {
         // A write in flight beside a torn slot (maybe its `ready` cut short): state unknown.
         let record = record.filter(|r| !(torn && r.state.in_flight()));
         let area = &bytes[..bytes.len().min(HINTS_AT)];
-        let hint = |at: u64| bytes.get(at as usize).copied().unwrap_or(0);
+        // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
+        let hint = |at: u64| !matches!(bytes.get(at as usize), None | Some(0 | b'-'));
         Seen {
             damaged: record.is_none() && area.iter().any(|&b| b != 0),
             legacy: bytes.starts_with(LEGACY_PREFIX),
             record,
-            // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
-            writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
-            store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
+            writer_waits: hint(WRITER_WAITS_AT),
+            store_wide: hint(STORE_WIDE_AT),
             foreign_write: foreign_write_in(bytes),
             last_use: bytes
                 .get(LAST_USE_AT as usize..LAST_USE_AT as usize + LAST_USE_LEN)
@@ -425,21 +419,15 @@ pub fn read_with_slot_a(file: &File) -> io::Result<(Seen, SlotA)> {
     Ok((Seen::parse(&bytes), a))
 }
 
-/// Whether `file` holds the record `seen` has still, as its holder last wrote or read it, and
-/// nothing later (one read). A writer (`in_flight`) asks too whether a writer that lost its lock
-/// wrote into the tree while its record was in flight (`F` naming it). Judged slot by slot: noise
-/// in the other slot (a record being mended) is no change.
+/// Whether `file` holds the record `seen` has still, and nothing later (one read); for a writer
+/// (`in_flight`), also no `F` hint naming it. Slot by slot: noise in the other slot is no change.
 pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<bool> {
     let (bytes, ours) = (read_area(file)?, seen.record.as_ref());
     let named = |r: &Record| foreign_write_in(&bytes) == Some(r.fingerprint());
     if in_flight && ours.is_some_and(named) {
         return Ok(false);
     }
-    let slot = |i: usize| {
-        bytes
-            .get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
-            .and_then(Record::decode)
-    };
+    let slot = |i| slot(&bytes, i).and_then(Record::decode);
     Ok(match ours {
         None => slot(0).is_none() && slot(1).is_none(),
         Some(r) => {
@@ -449,8 +437,12 @@ pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<boo
     })
 }
 
-/// The file's first [`AREA`] bytes, or all it has: never more, whatever the file is (a huge file
-/// or a device costs one buffer).
+/// Record slot `i` of `bytes` (a lock file's first bytes), or what there is of it.
+fn slot(bytes: &[u8], i: usize) -> Option<&[u8]> {
+    bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
+}
+
+/// The file's first [`AREA`] bytes, or all it has: a huge file or a device costs one buffer.
 pub fn read_area(file: &File) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
@@ -538,14 +530,12 @@ pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }
 
-/// The last use the record and hints say, by the clocks of the hosts that wrote them: a write's
-/// use is its record's change.
+/// The last use the record and hints say, by their writers' clocks (a write's use: its change).
 pub fn recorded_use(seen: &Seen) -> Option<Millis> {
     seen.last_use.max(seen.record.as_ref().map(|r| r.changed))
 }
 
-/// Whether `used` is later than `now` by more than the resolution: by the clock `now` comes from, it
-/// is no time of use yet.
+/// Whether `used` is later than `now` beyond the resolution: by `now`'s clock, no use yet.
 fn ahead(used: Millis, now: Millis) -> bool {
     used.saturating_sub(now) > last_use_resolution().as_millis() as Millis
 }
@@ -556,10 +546,8 @@ pub fn recorded_ahead(seen: &Seen, now: Millis) -> bool {
     recorded_use(seen).is_some_and(|used| ahead(used, now))
 }
 
-/// Records a use at `now`, unless the recorded one is later: a clock behind makes no image older.
-/// A recorded use later than the lock file's last write (`written`, by the filesystem's clock)
-/// beyond the resolution was recorded by a clock ahead: this use replaces it, or it would keep the
-/// image as used until that clock's time.
+/// Records a use at `now`, unless the recorded one is later (a clock behind ages no image) and
+/// not later than the file's last write `written` beyond the resolution (a clock ahead).
 pub fn record_use(
     file: &File,
     seen: &mut Seen,
@@ -589,9 +577,8 @@ pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
     }
 }
 
-/// An image's last use as `images` shows it and gc decides on: the recorded one (`recorded`), but
-/// never later than the resolution after its lock file was last written by the filesystem's clock
-/// (`written`), as a later one is a clock ahead. Unknown (negative) stays so.
+/// An image's last use as shown and gc decides on: `recorded`, but never later than the resolution
+/// after the lock file's last write `written` (a clock ahead). Unknown (negative) stays so.
 pub fn last_use(recorded: Millis, written: Option<Millis>) -> Millis {
     let res = last_use_resolution().as_millis() as Millis;
     // A filesystem that says no time (0) bounds nothing: lowered, an image would look unused.

@@ -160,10 +160,10 @@ fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>
 /// Sets a damaged catalog aside (never deleted), as any use of it would; the line saying so.
 fn set_aside_damaged(store: &Store, e: &anyhow::Error) -> Result<String> {
     let aside = crate::store::set_aside(store.root(), "damaged")?;
-    let (shown, aside) = (store.root().db(), aside.display());
-    let shown = shown.display();
+    let (db, aside) = (store.root().db(), aside.display());
+    let db = db.display();
     Ok(format!(
-        "catalog {shown} is damaged ({e:#}): set aside as {aside}"
+        "catalog {db} is damaged ({e:#}): set aside as {aside}"
     ))
 }
 
@@ -176,8 +176,7 @@ fn hint_older_release(root: &Root) {
     }
 }
 
-/// The older release's store-wide holder record: while it stands and `store.lock` is held, its
-/// transactions claim no image.
+/// The older release's store-wide holder record: with `store.lock` held, it claims no image.
 fn mark_held_off(conn: &rusqlite::Connection) {
     let me = crate::ident::Me::current();
     let _ = conn.execute(
@@ -251,15 +250,8 @@ impl Old {
     /// slot classes its slot files repeat; the images directory its tokens name.
     fn from_tokens(root: &Root) -> Old {
         let mut images = None;
-        let locks = Dir::open_in_root(&root.image_locks()).ok();
-        for file in image_lock_files(root) {
-            let Some(name) = Root::image_of_lock_file(&file) else {
-                continue;
-            };
-            let Some(bytes) = locks.as_ref().and_then(|d| read_old_file(d, &file)) else {
-                continue;
-            };
-            if let Some(t) = Token::of(token_area(&bytes), name.as_str()) {
+        for (_, name, bytes) in lock_files_read(root) {
+            if let Some(t) = Token::of(&bytes, name.as_str()) {
                 images = images.or(t.images);
             }
         }
@@ -284,17 +276,25 @@ fn markers(root: &Root) -> BTreeSet<String> {
         .collect()
 }
 
-/// The first bytes of the file `name` in `dir` (a directory of the layout), as much as a record
-/// reader reads: anything planted there (a FIFO, a link to `/dev/zero`, a huge file) is refused
-/// without waiting, or costs one buffer, never hanging a migration under the store-wide hold.
+/// The first bytes of `name` in `dir`, as a record reader reads them: what is planted there is
+/// refused without waiting, or costs one buffer, never hanging a migration under the hold.
 fn read_old_file(dir: &Dir, name: &str) -> Option<Vec<u8>> {
     let file = dir.open_read(name).ok()?;
     image_record::read_area(&file).ok()
 }
 
-/// The part of a lock file's first bytes that may hold the older release's token.
-fn token_area(bytes: &[u8]) -> &[u8] {
-    &bytes[..bytes.len().min(TOKEN_AREA)]
+/// Each image lock file (named as an image) that can be read, with its first bytes.
+fn lock_files_read(root: &Root) -> Vec<(String, ImageName, Vec<u8>)> {
+    let Ok(locks) = Dir::open_in_root(&root.image_locks()) else {
+        return Vec::new();
+    };
+    let read = |file: String| {
+        let name = Root::image_of_lock_file(&file)?;
+        let bytes = read_old_file(&locks, &file)?;
+        Some((file, name, bytes))
+    };
+    let files = image_lock_files(root);
+    files.into_iter().filter_map(read).collect()
 }
 
 /// The entries of `dir` whose names are text.
@@ -303,8 +303,7 @@ fn names(dir: &Dir) -> Vec<String> {
     names.filter_map(|n| n.into_string().ok()).collect()
 }
 
-/// The slot classes the older release's slot files state (`stowage-slot 2`: class, limit,
-/// reserve), each class once.
+/// The slot classes the older release's slot files state (class, limit, reserve), each once.
 fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
     let Ok(slots) = Dir::open_in_root(&root.slot_locks()) else {
         return Vec::new();
@@ -355,11 +354,9 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
         };
-        let seen = image_record::read(guard.file())
+        let bytes = image_record::read_area(guard.file())
             .with_context(|| format!("cannot read the lock file of image '{name}'"))?;
-        let mut bytes = vec![0u8; TOKEN_AREA];
-        let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
-        let token = Token::of(&bytes[..got], &name);
+        let (seen, token) = (image_record::Seen::parse(&bytes), Token::of(&bytes, &name));
         // Its catalog lost since an earlier pass wrote this record from its row: the record knows
         // more (the base, a deletion) than any token, which that release has not written since.
         if old.lost && seen.record.is_some() && token.as_ref().is_none_or(|t| t.disabled) {
@@ -375,7 +372,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             .with_context(|| format!("cannot write the record of image '{name}'"))?;
         // Only once the record is durable: that release no longer takes its token (it asks its
         // catalog, which changes the file for anything it changes), this one still does.
-        if bytes[..got].starts_with(LEGACY_PREFIX) {
+        if bytes.starts_with(LEGACY_PREFIX) {
             guard
                 .file()
                 .write_all_at(&[DISABLED], 0)
@@ -410,9 +407,9 @@ struct Token {
 const DISABLED: u8 = b'-';
 
 impl Token {
-    /// The token in `bytes`, disabled or not, if of the image `name`.
+    /// The token in a lock file's first `bytes` (slot A), disabled or not, if of the image `name`.
     fn of(bytes: &[u8], name: &str) -> Option<Token> {
-        let mut bytes = bytes.to_vec();
+        let mut bytes = bytes[..bytes.len().min(TOKEN_AREA)].to_vec();
         let disabled = bytes.first() == Some(&DISABLED);
         if disabled {
             bytes[0] = LEGACY_PREFIX[0];
@@ -431,10 +428,8 @@ impl Token {
     }
 }
 
-/// Writes `r` unless the record there says the same. Derived anew by every pass, as the older
-/// release may have changed the image since an earlier one (a pass that gave up let `store.lock`
-/// go). Its token stays in slot A: the record goes in slot B (odd sequence numbers), so every
-/// pass, and one after a write cut short, derives from it.
+/// Writes `r` unless the record there says the same, in slot B (odd sequence numbers): the token
+/// stays in slot A for every pass to derive from (module doc).
 fn write_beside_token(
     file: &std::fs::File,
     mut seen: image_record::Seen,
@@ -480,9 +475,8 @@ fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<R
         (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),
         (None, _, _) => return None,
     };
-    // Without a row that release recorded no creation: its token's last use, so gc's age and
-    // order stay what they were; else the tree's time, as an adoption takes it, and as there a
-    // last use of now (a tree's time says nothing of its use: gc must not take it for one).
+    // No row: that release recorded no creation: its token's last use keeps gc's age and order;
+    // else the tree's time and a last use of now (a tree's time says nothing of use).
     let (created, changed) = match (row, token.and_then(|t| t.used)) {
         (Some(r), _) => (r.created, r.created),
         (None, Some(used)) => (used, used),
@@ -503,18 +497,9 @@ pub fn records_from_tokens(root: &Root) -> BTreeMap<String, Record> {
     let old = Old::from_tokens(root);
     let dir = old.images.path_in(root.dir());
     let mut records = BTreeMap::new();
-    let Ok(locks) = Dir::open_in_root(&root.image_locks()) else {
-        return records;
-    };
-    for file in image_lock_files(root) {
-        let Some(name) = Root::image_of_lock_file(&file) else {
-            continue;
-        };
-        // A listing beside a busy catalog: what is planted among the lock files is left out.
-        let Some(bytes) = read_old_file(&locks, &file) else {
-            continue;
-        };
-        let token = Token::of(token_area(&bytes), name.as_str());
+    // A listing beside a busy catalog: what is planted among the lock files is left out.
+    for (file, name, bytes) in lock_files_read(root) {
+        let token = Token::of(&bytes, name.as_str());
         let seen = image_record::Seen::parse(&bytes);
         let record = match (&token, seen.record) {
             (t, Some(r)) if t.as_ref().is_none_or(|t| t.disabled) => Some(r),
@@ -628,8 +613,7 @@ fn retire_catalog(
     }
 }
 
-/// Each slot class's limits, from the older catalog into its first slot file (its other files
-/// emptied of the older release's notes).
+/// Each slot class's limits, into its first slot file (the others emptied of older notes).
 fn slot_classes(root: &Root, old: &Old) -> Result<()> {
     for (class, limit, reserve) in &old.classes {
         let dir = crate::slots::make_class_dir(root, class)?;
@@ -689,14 +673,12 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
 /// A store without a configuration and without an older catalog: its configuration, made now.
 fn ensure_config(root: &Root) -> Result<()> {
     let dir = root.open()?;
+    let path = root.dir().join(crate::config::FILE);
     let found = dir.stat_at(crate::config::FILE);
-    let found = found.with_context(|| {
-        format!(
-            "cannot look at {}",
-            root.dir().join(crate::config::FILE).display()
-        )
-    })?;
-    if found.is_none() {
+    if found
+        .with_context(|| format!("cannot look at {}", path.display()))?
+        .is_none()
+    {
         crate::config::create(root.dir(), &dir, &Config::fresh())?;
     }
     Ok(())

@@ -74,13 +74,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let mut deleting = before.clone();
     deleting.state = State::Deleting;
     deleting.changed = clock::now_ms();
-    image_record::write_reserved(
-        held.guard.file(),
-        &mut held.seen,
-        &deleting,
-        &root.reserve(),
-    )
-    .with_context(|| format!("cannot write the record of image '{}'", held.name))?;
+    write_record(root, &mut held, &deleting)
+        .with_context(|| format!("cannot write the record of image '{}'", held.name))?;
     debug::pause("rm-marked");
     // 2. The tree leaves the images directory, the lock asked first where it may be lost: another
     // host that took it meanwhile may have finished this removal and written a new tree there.
@@ -170,18 +165,17 @@ fn after_take_out(
             (broken, e, what)
         }
     };
-    let _ = image_record::write_reserved(
-        held.guard.file(),
-        &mut held.seen,
-        &put_back,
-        &root.reserve(),
-    );
+    let _ = write_record(root, held, &put_back);
     Err(e.context(what))
 }
 
-/// Finishes a removal a crash cut short, for an image whose `deleting` record the caller found
-/// under its exclusive lock: the tree leaves the images directory, the record goes. The bytes it
-/// freed if the tree was deleted in place (one moved to the trash frees them there).
+/// Writes the record of the image `held`, on a full filesystem from the space kept for it.
+fn write_record(root: &Root, held: &mut Held, record: &Record) -> std::io::Result<()> {
+    image_record::write_reserved(held.guard.file(), &mut held.seen, record, &root.reserve())
+}
+
+/// Finishes a removal a crash cut short (its `deleting` record found under its exclusive lock):
+/// the tree leaves, the record goes. Bytes freed if deleted in place (the trash counts its own).
 pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let Some(record) = held.seen.record.as_ref() else {
         return Ok(0);
@@ -192,15 +186,13 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
         .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
     let Some(images) = usable else {
+        let (name, shown) = (&held.name, images_dir.display());
         anyhow::bail!(
-            "cannot finish the removal of image '{}': images directory {} is not usable (is it mounted?)",
-            held.name,
-            images_dir.display()
+            "cannot finish the removal of image '{name}': images directory {shown} is not usable (is it mounted?)"
         );
     };
     let tree = images_dir.join(held.name.encoded());
-    // Measured before it goes: only the move tells whether it is deleted here or in the trash,
-    // which counts it there.
+    // Measured before it goes: only the move tells whether here or the trash frees it.
     let bytes = disk_usage::freed_by_deleting(&tree).unwrap_or(0);
     still_ours(&held)?;
     let freed = match take_out(root, &images, &trash, &tree, &held.name) {
@@ -213,10 +205,8 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     Ok(freed)
 }
 
-/// Before a removal's tree and then its record go: its lock, where it may be lost (measuring and a
-/// tree deleted in place take a while), must still be ours, else another may have finished the
-/// removal and written the name anew since; the record and the tree are left as the other left them
-/// (a `deleting` record is finished by the next gc or writer).
+/// Before a removal's tree and then its record go: its lock, where it may be lost, must still be
+/// ours, else another may have finished the removal and written the name anew; all is left as is.
 fn still_ours(held: &Held) -> Result<()> {
     match held.guard.lost() {
         None => Ok(()),
@@ -255,8 +245,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
                 Err(e) => Taken::Partial(e),
             }
         }
-        // A name cached by a shared filesystem's client (another host moved the tree away a moment
-        // ago): the server says it is gone.
+        // A name a client cached (another host moved the tree away): the server says it is gone.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && trash_there(trash) => Taken::Gone,
         Err(e) => {
             use crate::dir::{DELETE_IN, MOVE};
@@ -268,17 +257,14 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
                     (images, Some(enc.as_ref()), MOVE, "the directory"),
                 ],
             );
-            Taken::Refused(anyhow::Error::new(e).context(format!(
-                "cannot move {} to {}",
-                tree.display(),
-                root.trash().display()
-            )))
+            let (from, to) = (tree.display(), root.trash());
+            let to = to.display();
+            Taken::Refused(anyhow::Error::new(e).context(format!("cannot move {from} to {to}")))
         }
     }
 }
 
-/// Whether the trash opened as `trash` is still there: a rename into it that found nothing, then,
-/// found nothing to move.
+/// Whether the trash opened as `trash` is still there: a rename into it found nothing to move.
 fn trash_there(trash: &Dir) -> bool {
     crate::dir::fstat(trash).is_ok_and(|st| st.st_nlink > 0)
 }
@@ -298,16 +284,12 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
     let dir =
         (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
     // Asked of the top too: a root's parts (store.conf, locks) are no store on their own.
+    let shown = path.display();
     if let Some(what) = in_use_by_a_store(&dir) {
-        anyhow::bail!(
-            "cannot empty {}: it is {what}; move it out first",
-            path.display()
-        );
+        anyhow::bail!("cannot empty {shown}: it is {what}; move it out first");
     }
-    for entry in dir
-        .names()
-        .with_context(|| format!("cannot list {}", path.display()))?
-    {
+    let names = dir.names();
+    for entry in names.with_context(|| format!("cannot list {shown}"))? {
         crate::signals::check()?;
         dir.remove_entry(&entry, &mut 0, &in_use_by_a_store)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
@@ -347,10 +329,8 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         out.failed.push(format!("{e:#}"));
         return Ok(out);
     }
-    for entry in trash
-        .names()
-        .with_context(|| format!("cannot list {}", root.trash().display()))?
-    {
+    let names = trash.names();
+    for entry in names.with_context(|| format!("cannot list {}", root.trash().display()))? {
         let path = root.trash().join(&entry);
         let bytes = disk_usage::freed_by_deleting(&path).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {

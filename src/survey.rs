@@ -109,9 +109,8 @@ pub fn orphans(
         if !e.is_dir() {
             continue;
         }
-        // Another filesystem mounted there is no tree: nothing of it is ours to adopt, measure or
-        // count (it would never be freed): asked by mount, as a bind mount keeps the device and a
-        // btrfs subvolume has one of its own on the same mount.
+        // Another filesystem mounted there holds no tree of ours: asked by mount id, as bind mounts
+        // keep the device and a btrfs subvolume has its own on the same mount.
         let mount = || images.mount_id().ok().flatten();
         let (dev, mnt) = here.get_or_init(|| (images.stat().map_or(e.dev, |d| d.dev), mount()));
         let mounted = match (mnt, images.mount_id_at(&raw)) {
@@ -175,9 +174,8 @@ pub struct Unlisted {
     pub why: &'static str,
 }
 
-/// The trees in the images directory that none of `images` is, each with why (a tree made since
-/// they were listed is not one: its record came first). Nothing where the directory cannot be
-/// listed (its absence is said elsewhere).
+/// The trees in the images directory that none of `images` is (one made since has a record), each
+/// with why. Nothing where the directory cannot be listed (said elsewhere).
 pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     let Ok(config) = crate::images_dir::config(root) else {
         return Vec::new();
@@ -191,8 +189,7 @@ pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     let Ok(found) = orphans(&opened, &dir, &named, false) else {
         return Vec::new();
     };
-    // What is mounted over it, or another store's, holds no tree of ours (asked only where a tree
-    // is found: most listings find none).
+    // What is mounted over it, or another store's, holds no tree of ours (asked if one is found).
     if found.trees.is_empty() || crate::images_dir::not_usable(root, &dir).is_some() {
         return Vec::new();
     }
@@ -370,7 +367,12 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
     let unknown =
         |img: &Image| img.size.is_none() && !img.state.in_flight() && img.state != State::Deleting;
     let mut out = Vec::new();
-    if !images.iter().any(unknown) || images_dir_in_doubt(root) {
+    // Whether the images directory may not be the one whose trees the records describe.
+    let in_doubt = || {
+        let dir = crate::images_dir::config(root).map(|c| c.images.path_in(root.dir()));
+        dir.map_or(true, |d| crate::images_dir::not_usable(root, &d).is_some())
+    };
+    if !images.iter().any(unknown) || in_doubt() {
         return out;
     }
     for img in images.iter_mut() {
@@ -392,8 +394,7 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         if now.as_ref().map(Record::fingerprint) != Some(img.record.fingerprint()) {
             continue;
         }
-        // Named by our lease while it measures (on another host nothing else names the holder),
-        // unnamed before the lock goes.
+        // Named by our lease while it measures (nothing else does on another host); unnamed first.
         let rel = format!("images/{}", img.entry.file);
         let what = "stowage (measuring the image's size)";
         let hold = crate::lease::Holding::now(shared, rel.clone(), false, what);
@@ -416,10 +417,4 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         }
     }
     out
-}
-
-/// Whether the images directory may not be the one whose trees the records describe.
-fn images_dir_in_doubt(root: &Root) -> bool {
-    let dir = crate::images_dir::config(root).map(|c| c.images.path_in(root.dir()));
-    dir.map_or(true, |d| crate::images_dir::not_usable(root, &d).is_some())
 }

@@ -75,15 +75,13 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
 /// Why the configuration cannot be used, if so: damaged, no regular file, or missing while images
 /// have records; an error if it could not be read.
 fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Result<Option<String>> {
+    let shown = path.display();
     Ok(match config::read(root.dir(), dir) {
         Ok(Some(_)) => None,
         Ok(None) if !lost(root)? => None,
         // Made meanwhile by a first use beside this look (it writes no record before).
         Ok(None) if config::read(root.dir(), dir).is_ok_and(|c| c.is_some()) => None,
-        Ok(None) => Some(format!(
-            "{} is missing while images have records",
-            path.display()
-        )),
+        Ok(None) => Some(format!("{shown} is missing while images have records")),
         Err(e) => match e.downcast_ref::<config::Unusable>() {
             Some(u) => Some(u.why.clone()),
             None => return Err(e),
@@ -117,8 +115,7 @@ fn whose(
 
 /// A store whose configuration went missing: no older catalog to migrate, and records.
 fn lost(root: &Root) -> Result<bool> {
-    // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost
-    // (the catalog's check reports it).
+    // A busy catalog may be an older release's mid-migration: not lost (the catalog check says).
     let legacy = match crate::catalog::legacy_state(root) {
         Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::Busy(_))) => {
             return Ok(false);

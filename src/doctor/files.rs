@@ -57,13 +57,9 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
             };
             crate::debug::pause(&format!("doctor-file-stated-{name}"));
             let path = at.join(name);
-            // The configuration is replaced by a rename, never written in place: another name for
-            // it changes nothing outside.
-            let nlink = if name == crate::config::FILE {
-                1
-            } else {
-                st.nlink
-            };
+            // Replaced by rename, never written in place: a second name for it is harmless.
+            let conf = name == crate::config::FILE;
+            let nlink = if conf { 1 } else { st.nlink };
             match crate::planted::kind_of(st.mode, nlink) {
                 Some(crate::planted::HARD_LINK) if holds_a_record(&dir, name) => {
                     shared_record(&path, report)
@@ -136,8 +132,7 @@ fn what_it_replaced(path: &Path) -> &'static str {
     }
 }
 
-/// Reports (and with `repair` sets aside) what is planted at `path`, an entry of `dir`: `kind`
-/// where `not` belongs.
+/// Reports (with `repair` sets aside) the `kind` planted at `path` in `dir`, where `not` belongs.
 fn planted(
     dir: &Dir,
     name: &str,
@@ -148,8 +143,7 @@ fn planted(
 ) {
     let (kind, not) = found;
     let replaced = what_it_replaced(path);
-    // A hard link may be stowage's own file given a second name (a store copied with 'cp -al'):
-    // what is wrong is the other name.
+    // A hard link may be our own file given a second name ('cp -al'): the other name is wrong.
     let why = if kind == crate::planted::HARD_LINK {
         "stowage writes no file that has another name"
     } else {
@@ -196,8 +190,7 @@ pub(super) fn catalog_modes(root: &Root, repair: bool, shared: bool, report: &mu
     problems(report) > before
 }
 
-/// Reports a mode that keeps this user from reading and writing a layout file, under `check`;
-/// `repair` fixes ours.
+/// Reports, under `check`, a mode that keeps this user from reading and writing a layout file.
 fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str, &mut Report)) {
     let ((repair, shared), (check, report)) = (how, to);
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");

@@ -71,7 +71,6 @@ impl Report {
         });
     }
 
-    /// The catalog check's line; returns its verdict.
     fn catalog(&mut self, status: Verdict, detail: String) -> Verdict {
         self.add("catalog", status, detail);
         status
@@ -207,10 +206,8 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
     let configured = configuration::check(root, repair, report)?;
     // A catalog that cannot be put right (set aside where the file may not be renamed) is said,
     // and every other check still runs: the catalog is derived, the records say what matters.
-    let status = catalog(store, repair, report).unwrap_or_else(|e| {
-        let then = "images are still used and listed, from their records";
-        report.catalog(Problem, format!("{e:#}; {then}"))
-    });
+    let status = catalog(store, repair, report)
+        .unwrap_or_else(|e| report.catalog(Problem, format!("{e:#}; {FROM_RECORDS}")));
     // A store still to migrate (a repair could not: its older catalog is held) has records only in
     // part: nothing more to judge until it is.
     if crate::migrate::is_legacy(root) {
@@ -344,10 +341,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
         let parts = sharing::list(&done.fixed, 4);
-        let detail = format!(
-            "gave group {label} and group write (directories: setgid, no default ACL) to {parts}"
-        );
-        report.add("sharing", Repaired, detail);
+        report.add("sharing", Repaired, format!("gave group {label} and group write (directories: setgid, no default ACL) to {parts}"));
     }
     if !done.not_ours.is_empty() {
         let parts = sharing::list(&done.not_ours, 4);
@@ -391,7 +385,8 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
     })
 }
 
-/// How a catalog that cannot be used is put right.
+/// What goes on without a catalog that cannot be used, and how it is put right.
+const FROM_RECORDS: &str = "images are still used and listed, from their records";
 const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost";
 
 /// The catalog's check; with `repair` one that cannot be used is set aside and made anew.
@@ -432,7 +427,7 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
     let found = match crate::catalog::inspect_file(&db, store.root()) {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
-            return Ok(report.catalog(Problem, format!("{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records")));
+            return Ok(report.catalog(Problem, format!("{shown} is locked by a program outside stowage (an sqlite3 shell?); {FROM_RECORDS}")));
         }
         Err(e) if e.downcast_ref::<crate::catalog::StuckInWal>().is_some() => {
             return stuck_in_wal(store, repair, &e, report);
@@ -469,8 +464,7 @@ fn stuck_in_wal(
 ) -> Result<Verdict> {
     let db = store.root().db();
     if !repair {
-        let then = "images are still used and listed, from their records";
-        return Ok(report.catalog(Problem, format!("{e:#}; {then}")));
+        return Ok(report.catalog(Problem, format!("{e:#}; {FROM_RECORDS}")));
     }
     let why = e
         .downcast_ref::<crate::catalog::StuckInWal>()
@@ -479,11 +473,9 @@ fn stuck_in_wal(
         let _global = store.global(None)?;
         store.close_catalog();
         // Switched back meanwhile (by a host that can): the catalog is kept.
-        if !crate::catalog::in_wal(&db) {
-            None
-        } else {
-            Some(crate::store::set_aside(store.root(), "wal")?)
-        }
+        let wal = crate::catalog::in_wal(&db);
+        wal.then(|| crate::store::set_aside(store.root(), "wal"))
+            .transpose()?
     };
     store.with_catalog(None, |_, _| Ok(()))?;
     let shown = db.display();
@@ -517,7 +509,7 @@ fn empty_catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result
     };
     Ok(report.catalog(
         Problem,
-        format!("{shown} is empty and {why}; images are still used and listed, from their records"),
+        format!("{shown} is empty and {why}; {FROM_RECORDS}"),
     ))
 }
 
@@ -571,15 +563,13 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
             return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {why:#}")));
         }
     };
-    // Intact but not writable (its journal cannot be made, an immutable root): every command
-    // does without it, so it is no healthy catalog.
-    if check == "ok"
-        && let Some(why) = crate::catalog::unwritable(&db)
-    {
-        let then = "commands go on from the images' records without it";
-        return Ok(report.catalog(Problem, format!("{shown} cannot be written: {why}; {then}")));
-    }
     if check == "ok" {
+        // Intact but not writable (its journal cannot be made, an immutable root): every command
+        // does without it, so it is no healthy catalog.
+        if let Some(why) = crate::catalog::unwritable(&db) {
+            let then = "commands go on from the images' records without it";
+            return Ok(report.catalog(Problem, format!("{shown} cannot be written: {why}; {then}")));
+        }
         let detail = format!("{shown}: intact, schema version {}", crate::catalog::SCHEMA);
         return Ok(report.catalog(Verdict::Ok, detail));
     }
@@ -684,9 +674,8 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
 fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut Report) {
     let claim = crate::claim::read(images);
     let mine = crate::images_dir::my_claim(root, config).ok();
-    // Another's claim is reported where the trees are judged; a claim of this root's `img` under
-    // another id (a configuration made anew) is put right by a repair.
-    // Ours whatever root path it names (the root seen through another mount is the same root).
+    // Another's claim is reported with the trees; ours under another id (a configuration made anew)
+    // is put right by a repair, whatever root path it names (another mount of the same root).
     let ours = claim
         .as_ref()
         .is_some_and(|c| mine.as_ref().is_some_and(|m| c.same_store(m)));
@@ -759,9 +748,8 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             .is_some_and(|r| stands_for_its_tree(r, r.state_seen(e.writer_alive)))
     };
     let listed = images.names();
-    let listed =
-        listed.with_context(|| format!("cannot list images directory {}", dir.display()))?;
-    let listed: HashSet<_> = listed.into_iter().collect();
+    let listed = listed.with_context(|| format!("cannot list images directory {}", dir.display()));
+    let listed: HashSet<_> = listed?.into_iter().collect();
     if listed.is_empty() && entries.iter().any(stand) {
         report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
@@ -784,8 +772,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        // By the listing, asked of the filesystem now: a client's cached lookup may miss a tree
-        // another host made a moment ago.
+        // By the listing, asked now: a client's cached lookup may miss a tree made on another host.
         let there = listed.contains(std::ffi::OsStr::new(n.encoded()));
         if !there && stand(e) {
             gone.push(n);
@@ -818,17 +805,9 @@ fn orphan_trees(
         let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
         report.add("images", Info, detail);
     }
-    let (how, state, why) = match config.adopting {
-        true => (
-            Adopt::AsReady,
-            "ready",
-            "an init adopting them so was interrupted",
-        ),
-        false => (
-            Adopt::Unknown,
-            "incomplete",
-            "whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)",
-        ),
+    let (how, state) = match config.adopting {
+        true => (Adopt::AsReady, "ready"),
+        false => (Adopt::Unknown, "incomplete"),
     };
     if !repair {
         let orphaned: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
@@ -847,6 +826,10 @@ fn orphan_trees(
     }
     let n = done.names.len();
     report.naming("images", Repaired, &done.names, |names| {
+        let why = match config.adopting {
+            true => "an init adopting them so was interrupted",
+            false => "whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)",
+        };
         format!("adopted {n} tree(s) without a record ({names}) as {state}: {why}")
     });
     for why in done.left {
@@ -856,9 +839,8 @@ fn orphan_trees(
     Ok(())
 }
 
-/// Whether a record in `state` says no more than its tree does, so that tree gone, the image is:
-/// a ready one's, or one adopted without a record (the tree was all there was of it; adopted from
-/// a lookup a client's cache answered, it would stay forever). A failed writer's may have no tree.
+/// Whether a record in `state` says no more than its tree, so that tree gone, the image is: a
+/// ready one's or an adopted one's (kept forever if adopted from a client's stale lookup).
 fn stands_for_its_tree(r: &Record, state: State) -> bool {
     state == State::Ready || (state == State::Incomplete && r.outcome.as_deref() == Some(ADOPTED))
 }
@@ -931,15 +913,12 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         let removed = (empty.iter())
             .filter(|e| repair && root.unlink_if_empty(&e.path))
             .count();
-        if removed > 0 {
-            let what = format!("{removed} lock file(s) that name no image");
-            report.swept("locks", Some("removed"), Info, what);
-        }
-        // In use, or a disk too full to mark one gone: the next repair removes it.
-        let left = empty.len() - removed;
-        if left > 0 {
-            let what = format!("{left} lock file(s) that name no image");
-            report.swept("locks", None, Info, what);
+        // Those left are in use, or on a disk too full to mark one gone: the next repair's.
+        for (n, fixed) in [(removed, Some("removed")), (empty.len() - removed, None)] {
+            if n > 0 {
+                let what = format!("{n} lock file(s) that name no image");
+                report.swept("locks", fixed, Info, what);
+            }
         }
     }
     config_temps(&root, repair, report)?;
