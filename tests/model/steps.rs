@@ -67,7 +67,7 @@ steps! {
     Adopt "adopt" ["adopt::adopt" "store_wide::probe" "image_record::write"]
     DocLeftovers "doc-leftovers" ["doctor::leftovers" "census::take"]
     UnlinkEmpty "unlink-empty" ["doctor::leftovers" "lock::acquire_no_wait" "root::unlink_lock"]
-    StoreLock "store-lock" ["store_wide::take" "store_wide::take_store_lock"
+    StoreLock "store-lock" ["store_wide::take" "store_wide::take_raw"
         "nested::enclosing"]
     Pass "pass" ["store_wide::quiesce" "store_wide::hint_and_pass" "image_record::set_store_wide"]
     PassWait "pass-wait" ["store_wide::wait_for_image" "lock::acquire"]
