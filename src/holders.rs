@@ -935,13 +935,40 @@ pub enum Stopped {
 /// Whether local process `p` is stopped, and how.
 pub fn stopped(p: &Party) -> Option<Stopped> {
     let pid = p.pid.filter(|_| p.pid_space == PidSpace::Here)?;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The state follows the command's closing parenthesis, which the command may contain too.
-    match stat.rsplit_once(") ")?.1.as_bytes().first()? {
+    state_stopped(&ident::stat_fields(pid)?)
+}
+
+/// How a process whose `/proc/PID/stat` from its state on is `fields` is stopped, if it is.
+fn state_stopped(fields: &str) -> Option<Stopped> {
+    match fields.trim_start().as_bytes().first()? {
         b'T' => Some(Stopped::BySignal),
         b't' => Some(Stopped::ByTracer),
         _ => None,
     }
+}
+
+/// The stopped command of a local stowage exec `p` (its child, or its keeper's): its pid and how.
+/// A stopped command keeps the exec's locks however long, and its pid is not the one shown. One
+/// pass over `/proc`: asked only for the end of a wait chain.
+pub fn stopped_command(p: &Party) -> Option<(u32, Stopped)> {
+    let pid = p
+        .pid
+        .filter(|_| p.pid_space == PidSpace::Here && p.stowage == Some(true))?;
+    let procs: Vec<(u32, u32, String)> = ident::numbered::<u32>("/proc")
+        .ok()?
+        .filter_map(|(child, _)| {
+            let fields = ident::stat_fields(child)?;
+            let parent = fields.split_whitespace().nth(1)?.parse().ok()?;
+            Some((child, parent, fields))
+        })
+        .collect();
+    // The exec's children, and the children of those that run stowage (a `--no-inherit` keeper).
+    let children = |of: u32| procs.iter().filter(move |(_, parent, _)| *parent == of);
+    let keepers = children(pid).filter(|(c, _, _)| ident::runs_stowage(*c));
+    let commands = children(pid).chain(keepers.flat_map(|(k, _, _)| children(*k)));
+    commands
+        .filter_map(|(c, _, fields)| Some((*c, state_stopped(fields)?)))
+        .next()
 }
 
 /// Who holds the global lock, for the rare message about waiting for it.

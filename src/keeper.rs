@@ -159,8 +159,7 @@ fn descendants() -> Vec<libc::pid_t> {
 
 fn signal_tree(sig: i32) {
     for p in descendants() {
-        // SAFETY: plain kill(2).
-        unsafe { libc::kill(p, sig) };
+        crate::signals::end_or_note(p, sig);
     }
 }
 

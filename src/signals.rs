@@ -6,7 +6,8 @@
 //! - Before the command starts, a signal cancels the lock waits (exit 128+N, nothing left behind).
 //!   The signal thread starts with the first wait; without one the waits watch a signalfd.
 //! - While the command runs, signals are forwarded, but for a terminal's (SI_KERNEL) that reached a
-//!   command in our process group too (not a hangup to a session leader alone).
+//!   command in our process group too (not a hangup to a session leader alone). One that ends
+//!   the command is followed by SIGCONT: a stopped command acts on nothing else.
 //! - Long work outside the command (a `--from` copy, measuring) asks [`check`] between steps: a
 //!   pending signal stops it, exit 128+N.
 //! - Hand-over: Waiting → Running(pid) under a mutex while spawning (a signal is seen before the
@@ -285,8 +286,18 @@ pub fn pass_on(pid: libc::pid_t, sig: i32, code: i32, our_pgid: libc::pid_t, we_
     // 0: a group outside our pid namespace.
     let group = getpgid(Some(Pid::from_raw(pid))).ok().map(Pid::as_raw);
     if !terminal_reached_command(sig, code, group.filter(|&g| g > 0), our_pgid, we_lead) {
-        // SAFETY: plain kill(2) of our unreaped child.
-        unsafe { libc::kill(pid, sig) };
+        end_or_note(pid, sig);
+    }
+}
+
+/// Sends `sig` to `pid`; one that asks it to end is followed by SIGCONT, as timeout(1) does: a
+/// stopped process acts on no signal but SIGKILL until continued, and would keep its locks.
+pub fn end_or_note(pid: libc::pid_t, sig: i32) {
+    // SAFETY: plain kill(2) of a process of ours (an unreaped child, or one of the keeper's tree).
+    unsafe { libc::kill(pid, sig) };
+    if ends_the_command(sig) {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
     }
 }
 

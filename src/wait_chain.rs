@@ -306,7 +306,17 @@ pub fn advice(chain: &Chain) -> String {
         Some(Stopped::ByTracer) => {
             format!("{name} is stopped by its tracer (a debugger): let it go on, or end it{kill}")
         }
-        None => format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}"),
+        None => match crate::holders::stopped_command(end) {
+            Some((command, Stopped::BySignal)) => format!(
+                "{name} runs a stopped command (pid {command}): continue it (kill -CONT {command}), or end it{kill}"
+            ),
+            Some((command, Stopped::ByTracer)) => format!(
+                "{name} runs a command stopped by its tracer (pid {command}, a debugger): let it go on, or end it{kill}"
+            ),
+            None => {
+                format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}")
+            }
+        },
     }
 }
 

@@ -1088,6 +1088,56 @@ fn a_leftover_that_ignores_sigterm_is_killed_after_the_grace_period() {
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
 }
 
+/// A command stopped (SIGSTOP, SIGTTOU, a suspended batch job) acts on no
+/// termination signal until continued: one sent to stowage, the pid
+/// lock-status shows, is followed by SIGCONT, so it ends and lets the image
+/// go, in both modes; and a waiter's `--why` names the stopped command, not
+/// stowage, which runs. Before, the command held the image for good and the
+/// advice was "waits for nothing stowage can see".
+#[test]
+fn a_termination_signal_ends_a_stopped_command_and_why_names_it() {
+    for mode in [&[][..], &["--no-inherit"][..]] {
+        let env = Env::new();
+        env.make_image("app");
+        let pid_file = env.sentinel("command.pid");
+        let mut locks = mode.to_vec();
+        locks.extend(["--write", "app"]);
+        let bg = env.start_sh(&locks, |started| {
+            format!(
+                "echo $$ > '{p}'; touch '{s}'; kill -STOP $$; touch '{p}.continued'",
+                p = pid_file.display(),
+                s = started.display()
+            )
+        });
+        wait_until("the command is stopped", || {
+            let pid = fs::read_to_string(&pid_file).unwrap_or_default();
+            pid.trim().parse().is_ok_and(|p| proc_state(p) == Some('T'))
+        });
+        let command: u32 = fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let reader = env.spawn(["exec", "--read", "app", "--", "true"]);
+        env.wait_for_waiter("app");
+        let out = env.ok(["lock-status", "--why", &reader.pid().to_string()]);
+        let why = stdout(&out);
+        let advice = format!(
+            "runs a stopped command (pid {command}): continue it (kill -CONT {command}), or end it: kill {}",
+            bg.pid()
+        );
+        assert!(why.contains(&advice), "{mode:?}: {why}");
+
+        bg.signal(libc::SIGTERM);
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(143), "{mode:?}: {}", show(&out));
+        assert!(!env.sentinel("command.pid.continued").exists(), "{mode:?}");
+        assert_eq!(code(&reader.finish()), Some(66), "{mode:?}");
+        assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+        assert!(flock_free(&env.lock_file("app")));
+    }
+}
+
 // --- signals from a terminal ------------------------------------------------
 
 /// A pseudo-terminal whose slave is the controlling terminal of a new
