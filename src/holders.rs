@@ -643,18 +643,26 @@ impl<'c> Look<'c> {
         // Every process's fds are read once per look, however many are kept.
         let holds = |p: &u32| self.pid_holds(*p, key) == Some(true);
         let pids = crate::ident::numbered::<u32>("/proc").into_iter().flatten();
-        let pids: Vec<u32> = pids.map(|(p, _)| p).filter(holds).collect();
-        let (stowage, others): (Vec<u32>, Vec<u32>) =
-            pids.into_iter().partition(|&p| is_stowage(p));
+        let pids = pids.map(|(p, _)| p).filter(holds);
+        let pids: Vec<(u32, bool)> = pids.filter_map(|p| Some((p, is_stowage(p)?))).collect();
+        let (stowage, others): (Vec<u32>, Vec<u32>) = (
+            pids.iter().filter(|(_, s)| *s).map(|(p, _)| *p).collect(),
+            pids.iter().filter(|(_, s)| !*s).map(|(p, _)| *p).collect(),
+        );
         // A stowage process with no live lease may be one about to make it: none named. One with a
         // lease is named by it (its listing of this lock may come a moment later).
         if !stowage.iter().all(|&p| self.has_lease(p)) {
             return Vec::new();
         }
         // One below a stowage holder shares its descriptor: that exec's command, or its child.
+        // Alive after its ancestors were read, it had them (a command's short-lived child may
+        // have exited meanwhile, its ancestors unread: a holder no more).
+        let running =
+            |p: &u32| ident::stat_fields(p).is_some_and(|f| !f.trim_start().starts_with('Z'));
         let kept = others
             .into_iter()
-            .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a)));
+            .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a)))
+            .filter(running);
         let party = |pid| Party {
             kept: true,
             ..Party::outsider(
@@ -842,8 +850,8 @@ fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
 }
 
 /// Whether local process `pid` runs this very program (unknown: taken as one, so never named an
-/// outsider).
-fn is_stowage(pid: u32) -> bool {
+/// outsider); `None` if it has exited since (a holder no more: a command's short-lived child).
+fn is_stowage(pid: u32) -> Option<bool> {
     // An older binary replaced since (an upgrade) reads "PATH (deleted)".
     let exe = |p: &str| {
         let link = std::fs::read_link(format!("/proc/{p}/exe"))?.into_os_string();
@@ -851,8 +859,10 @@ fn is_stowage(pid: u32) -> bool {
         Ok::<_, std::io::Error>(link.trim_end_matches(" (deleted)").to_owned())
     };
     match (exe(&pid.to_string()), exe("self")) {
-        (Ok(theirs), Ok(ours)) => theirs == ours,
-        _ => true,
+        (Ok(theirs), Ok(ours)) => Some(theirs == ours),
+        // Gone, or a zombie (its descriptors closed): no exe.
+        (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => None,
+        _ => Some(true),
     }
 }
 
