@@ -16,8 +16,12 @@
 //!   every image is measured afresh, so blocks another image, or a name outside, keeps are not
 //!   counted.
 //! - `--dry-run` changes nothing: the same decisions, every lock released at once.
+//! - One gc removes at a time (`locks/gc.lock`, waited for holding nothing): two at once would each
+//!   remove down to the budget, counting the other's victims as staying. An image another process
+//!   removed since the survey, or is removing (its record says `deleting`), counts as gone.
 
 use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -113,10 +117,15 @@ impl Report {
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // gc locks images: its lease names it to lock-status meanwhile.
-    if !policy.dry_run {
-        let _ = crate::lease::introduce(&store.root().leases());
-        crate::migrate::if_needed(store, None)?;
-    }
+    let _alone = match policy.dry_run {
+        true => None,
+        false => {
+            let _ = crate::lease::introduce(&store.root().leases());
+            let alone = take_gc_lock(store)?;
+            crate::migrate::if_needed(store, None)?;
+            Some(alone)
+        }
+    };
     let mut report = Report {
         dry_run: policy.dry_run,
         max_size: policy.max_size,
@@ -181,6 +190,29 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let freed = report.removed.iter().filter(|r| !r.left_in_trash);
     report.bytes_freed += freed.map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
+}
+
+/// `locks/gc.lock`, waited for (holding nothing) while another gc removes, named in our lease.
+fn take_gc_lock(store: &Store) -> Result<lock::Guard> {
+    let root = store.root();
+    let path = root.gc_lock();
+    let err = |e| lock::error("the gc lock", &path, e);
+    let hold = |awaits| {
+        let rel = crate::root::Root::GC_LOCK_REL.to_owned();
+        crate::lease::Holding::now(Mode::Exclusive, rel, awaits, "stowage gc")
+    };
+    let create = lock::IfMissing::Create;
+    let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, create).map_err(err)? {
+        Some(g) => g,
+        None => {
+            let what = "the gc lock (another gc removes images)".to_owned();
+            crate::store_wide::wait_in_turn(store, what, None, None, hold(true), |wait| {
+                lock::acquire(&path, Mode::Exclusive, create, wait).map_err(err)
+            })?
+        }
+    };
+    crate::lease::note(&root.leases(), hold(false));
+    Ok(guard)
 }
 
 /// The images whose state cannot be known, kept and said: a record that cannot be read, a tree
@@ -368,6 +400,16 @@ fn deleting(seen: &crate::image_record::Seen) -> bool {
     matches!(&seen.record, Some(r) if r.state == State::Deleting)
 }
 
+/// Whether image `name`, whose lock at `path` is busy, is being removed: its record (read without
+/// the lock, as a reader's look does) says `deleting`, or it is gone already.
+fn being_removed(path: &std::path::Path, name: &ImageName) -> bool {
+    match lock::open_existing_read(path) {
+        Ok(Some(f)) => crate::image_record::read_of(&f, name.as_str()).is_ok_and(|s| deleting(&s)),
+        Ok(None) => true,
+        Err(_) => false,
+    }
+}
+
 /// What a repair (gc's, doctor's) finds when it takes an image's lock.
 pub(crate) enum Taken {
     Held(Box<Held>),
@@ -462,16 +504,7 @@ fn collect(
     };
     let root = store.root().clone();
     let path = root.image_lock(&name);
-    let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
-        Ok(Some(h)) => h,
-        Ok(None) => {
-            report.kept_busy(img.name());
-            return Ok(false);
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
-    };
-    let Some(now) = held.seen.record.clone() else {
+    let Some((held, now)) = take_for_collect(&root, &name, img, bytes, budget, report)? else {
         return Ok(false);
     };
     // A store-wide command holds the store: kept, as an image in use is.
@@ -499,13 +532,19 @@ fn collect(
     {
         return Ok(false);
     }
+    // Its lock file goes too, unless it must be left: `df` gets that back as well.
+    let mut lock_bytes = held.guard.file().metadata().map_or(0, |m| m.blocks() * 512);
     let mut left_in_trash = false;
     if !report.dry_run {
         match remove_named(&root, held, &name, bytes, report) {
-            Some(left) => left_in_trash = left,
+            Some((left, lock_file_gone)) => {
+                left_in_trash = left;
+                lock_bytes *= u64::from(lock_file_gone);
+            }
             None => return Ok(false),
         }
     }
+    report.bytes_freed += lock_bytes;
     report.removed.push(Collected {
         name: img.name().to_owned(),
         state: current.state.as_str(),
@@ -517,15 +556,47 @@ fn collect(
     Ok(true)
 }
 
+/// Image `name`'s lock taken, its record read under it; `None` where it is busy (said), or gone or
+/// going by another's hand since the survey (gone from the budget, not ours).
+fn take_for_collect(
+    root: &crate::root::Root,
+    name: &ImageName,
+    img: &Image,
+    bytes: u64,
+    budget: &mut Budget,
+    report: &mut Report,
+) -> Result<Option<(Held, crate::image_record::Record)>> {
+    let path = root.image_lock(name);
+    let gone = |budget: &mut Budget| {
+        budget.removed(img, bytes);
+        Ok(None)
+    };
+    let held = match take_exclusive(root, name, lock::IfMissing::Fail) {
+        Ok(Some(h)) => h,
+        Ok(None) if being_removed(&path, name) => return gone(budget),
+        Ok(None) => {
+            report.kept_busy(img.name());
+            return Ok(None);
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return gone(budget),
+        Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
+    };
+    match held.seen.record.clone() {
+        Some(now) => Ok(Some((held, now))),
+        None => gone(budget),
+    }
+}
+
 /// Removes `name`, named by our lease while it goes (on another host nothing else names a
-/// removal's holder): whether its tree is left in the trash; `None` if it failed (reported).
+/// removal's holder): whether its tree is left in the trash, and whether its lock file went;
+/// `None` if it failed (reported).
 fn remove_named(
     root: &crate::root::Root,
     held: Held,
     name: &ImageName,
     bytes: u64,
     report: &mut Report,
-) -> Option<bool> {
+) -> Option<(bool, bool)> {
     crate::debug::pause("gc-rechecked");
     let rel = crate::root::Root::image_lock_rel(name);
     let hold = crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, "stowage gc");
@@ -535,9 +606,10 @@ fn remove_named(
     match removed {
         Ok(done) => {
             let left = done.left_in_trash.is_some();
+            let lock_file_gone = done.lock_file_left.is_none();
             report.failed.extend(done.left_in_trash);
             report.lock_files_left.extend(done.lock_file_left);
-            Some(left)
+            Some((left, lock_file_gone))
         }
         Err(e) => {
             report.failed.push(format!("{e:#}"));

@@ -56,6 +56,8 @@ layout_paths! {
     reserve => "reserve",
     /// The lock of a store-wide hold (`store_wide.rs`), `locks/` + [`Root::STORE_WIDE_LOCK_REL`].
     store_wide_lock => "locks/store.lock",
+    /// Held by a gc that removes, for its whole run (`gc.rs`), `locks/` + [`Root::GC_LOCK_REL`].
+    gc_lock => "locks/gc.lock",
 }
 
 impl Root {
@@ -443,6 +445,8 @@ impl Root {
 
     /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
     pub const STORE_WIDE_LOCK_REL: &'static str = "store.lock";
+    /// [`Root::gc_lock`] relative to `locks/`, as leases name it.
+    pub const GC_LOCK_REL: &'static str = "gc.lock";
     /// `locks/` and `locks/images/` relative to the root, to open through the root's descriptor.
     pub const LOCKS_REL: &'static str = "locks";
     /// The directories of the layout, parents first.

@@ -67,7 +67,9 @@ pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
 /// Every part the layout may have, relative to the root, with whether it is a directory.
 fn parts(root: &Root) -> Vec<(String, bool)> {
     let dirs = std::iter::once("").chain(Root::LAYOUT_DIRS);
-    let files = Root::LAYOUT_FILES.into_iter().chain(["stowage.db-journal"]);
+    let files = Root::LAYOUT_FILES
+        .into_iter()
+        .chain(["stowage.db-journal", "locks/gc.lock"]);
     let mut out: Vec<_> = (dirs.map(|d| (d.to_owned(), true)))
         .chain(files.map(|f| (f.to_owned(), false)))
         .collect();

@@ -413,9 +413,9 @@ fn wait_for_image(
     got
 }
 
-/// Waits, by `attempt`, for the lock file `awaited` lists in our lease (`store.lock` or an
-/// image's), announced as `what`; with `refuse` (what is busy) it fails at once instead.
-fn wait_in_turn<'a, T>(
+/// Waits, by `attempt`, for the lock file `awaited` lists in our lease (`store.lock`, `gc.lock` or
+/// an image's), announced as `what`; with `refuse` (what is busy) it fails at once instead.
+pub(crate) fn wait_in_turn<'a, T>(
     store: &Store,
     what: String,
     refuse: Option<String>,
@@ -432,7 +432,11 @@ fn wait_in_turn<'a, T>(
             root.image_locks(),
             crate::root::lock_file_label(file),
         ),
-        None => (LockKind::Global, root.locks(), "store".to_owned()),
+        None => (
+            LockKind::Global,
+            root.locks(),
+            rel.trim_end_matches(".lock").to_owned(),
+        ),
     };
     crate::debug::pause("store-wide-busy");
     let now = || crate::holders::holders_phrase(store.ctx(), kind, &path, false);

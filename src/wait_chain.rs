@@ -31,7 +31,8 @@ impl Awaited {
         match self.kind {
             LockKind::Image => format!("{} lock on image '{}'", self.mode.verb(), self.name),
             LockKind::Slot => format!("a slot of class '{}'", self.name),
-            // The global lock is never awaited in a graph ([`Graph::new`]): this is the store's.
+            // The global lock is never awaited in a graph ([`Graph::new`]): the store's or gc's.
+            LockKind::Global if self.name == "gc" => "the gc lock".into(),
             LockKind::Global => "the store-wide lock".into(),
         }
     }

@@ -215,6 +215,13 @@ pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockRepo
     if r.state != Probe::Free || !r.waiters.is_empty() {
         locks.push(r);
     }
+    // Only gc takes it, naming it in its lease: looked at only then.
+    if look.leased_lockfiles().any(|rel| rel == Root::GC_LOCK_REL) {
+        let r = look.report(LockKind::Global, "gc", &root.gc_lock());
+        if r.state != Probe::Free || !r.waiters.is_empty() {
+            locks.push(r);
+        }
+    }
     locks.extend(crate::slots::reports(look, root));
     Ok(locks)
 }

@@ -27,7 +27,7 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
             matches!(n, crate::config::FILE | "reserve")
         }),
         (Root::LOCKS_REL.into(), |n| {
-            matches!(n, "global.lock" | "store.lock" | "probe.lock")
+            matches!(n, "global.lock" | "store.lock" | "gc.lock" | "probe.lock")
         }),
         (Root::IMAGE_LOCKS_REL.into(), |n| {
             n.ends_with(".lock") || n.ends_with(".gate")

@@ -75,12 +75,14 @@ fn gc_dry_run_changes_nothing() {
 #[test]
 fn gc_removes_least_recently_used_until_the_budget_fits() {
     let env = lru_store();
+    // What `df` gets back: the images' blocks, and their lock files'.
+    let locks: u64 = ["a", "b"].map(|n| lock_file_blocks(&env, n)).iter().sum();
     let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
     assert_eq!(removed(&report), ["a", "b"], "oldest first");
     assert!(report["size_after"].as_u64().unwrap() <= 5 << 19);
     assert_eq!(
         report["bytes_freed"].as_u64().unwrap(),
-        report["size_before"].as_u64().unwrap() - report["size_after"].as_u64().unwrap()
+        report["size_before"].as_u64().unwrap() - report["size_after"].as_u64().unwrap() + locks
     );
     assert!(report["removed"][0]["size_bytes"].as_u64().unwrap() >= 1 << 20);
     assert_eq!(env.state("c").as_deref(), Some("ready"));
@@ -666,6 +668,100 @@ fn gc_skips_an_image_removed_after_it_chose_it() {
         "no lock file for a removed image"
     );
     env.ok(["doctor"]);
+}
+
+/// What image `name`'s lock file takes on the filesystem.
+fn lock_file_blocks(env: &Env, name: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(env.lock_file(name)).unwrap().blocks() * 512
+}
+
+/// The gc lock's entry in lock-status, if it shows one.
+fn gc_lock_entry(env: &Env) -> Option<serde_json::Value> {
+    let st = env.status_json(Vec::<&str>::new());
+    let locks = st["locks"].as_array().unwrap();
+    locks.iter().find(|l| l["name"] == "gc").cloned()
+}
+
+/// Two gc at once (the same hourly job on two nodes): one removes while the
+/// other waits for it, shown in lock-status and told on stderr, then finds
+/// the store fits. Before, each removed down to the budget, counting the
+/// other's victims as staying: the store emptied.
+#[test]
+fn two_gcs_at_once_remove_only_down_to_the_budget() {
+    let env = lru_store();
+    let (first, go) = env.paused(["gc", "--json", "--max-size", "2.5M"], "gc-listed");
+    let second = env.spawn(["gc", "--json", "--max-size", "2.5M"]);
+    wait_until("the second gc waits for the first, or ends", || {
+        !alive(second.pid())
+            || gc_lock_entry(&env).is_some_and(|e| e["waiters"] != serde_json::json!([]))
+    });
+    let entry = gc_lock_entry(&env).expect("the gc lock is shown while a gc waits for it");
+    assert_eq!(entry["holders"][0]["pid"], first.pid(), "{entry}");
+    assert_eq!(entry["waiters"][0]["pid"], second.pid(), "{entry}");
+
+    fs::remove_file(&go).unwrap();
+    let (one, two) = (first.finish(), second.finish());
+    assert_eq!(code(&one), Some(0), "{}", show(&one));
+    assert_eq!(code(&two), Some(0), "{}", show(&two));
+    let said = stderr(&two);
+    assert!(
+        said.contains("waiting for the gc lock (another gc removes images)"),
+        "{said}"
+    );
+    let reports: Vec<serde_json::Value> = [&one, &two]
+        .map(|o| serde_json::from_slice(&o.stdout).unwrap())
+        .into();
+    assert_eq!(removed(&reports[0]), ["a", "b"], "{}", reports[0]);
+    assert_eq!(removed(&reports[1]), Vec::<String>::new(), "{}", reports[1]);
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+    assert_eq!(env.state("d").as_deref(), Some("ready"));
+    assert!(gc_lock_entry(&env).is_none());
+}
+
+/// An image another process began to remove after gc's survey (its record
+/// says `deleting`, its lock held when gc comes to it) counts as gone: gc removes only what is
+/// still over the budget. Before, gc counted it as staying and removed the
+/// next image too.
+#[test]
+fn an_image_being_removed_by_another_counts_as_gone_against_the_budget() {
+    let env = lru_store();
+    let (gc, gc_go) = env.paused(["gc", "--json", "--max-size", "2.5M"], "gc-listed");
+    let (rm, rm_go) = env.paused(["rm", "a"], "rm-marked");
+    fs::remove_file(&gc_go).unwrap();
+    let out = gc.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(removed(&report), ["b"], "{report}");
+    fs::remove_file(&rm_go).unwrap();
+    assert_eq!(code(&rm.finish()), Some(0));
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+    assert_eq!(env.state("a"), None);
+}
+
+/// What gc says it freed is what `df` gets back: the removed images' lock
+/// files count too. Before, 12 KiB a lock file on tmpfs went unsaid.
+#[test]
+fn bytes_freed_counts_the_lock_files_that_go() {
+    let env = lru_store();
+    let locks = lock_file_blocks(&env, "a") + lock_file_blocks(&env, "b");
+    assert!(locks > 0, "a lock file takes blocks here");
+    let dry = gc_json(
+        &env,
+        &["--dry-run", "--max-size", "2.5M"],
+        "2026-02-01T00:00:00Z",
+    );
+    let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
+    assert_eq!(removed(&report), ["a", "b"]);
+    let trees: u64 = (report["removed"].as_array().unwrap().iter())
+        .map(|r| r["size_bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        report["bytes_freed"].as_u64().unwrap(),
+        trees + locks,
+        "{report}"
+    );
+    assert_eq!(dry["bytes_freed"], report["bytes_freed"], "{dry}");
 }
 
 /// `stowage ARGS…` with the clock fixed at `now` (RFC 3339).
