@@ -1,9 +1,11 @@
 //! Nested calls: the holds of the `stowage exec` commands that run us.
 //!
 //! - Each exec appends its lease to its command's [`crate::env::EXEC_LEASES`] (outermost first).
-//!   A lock a live lease named there lists is held by an enclosing command, which waits for us.
-//! - Judged by leases and the environment, never a pid or device number: it holds across pid
-//!   namespaces, on btrfs and on shared filesystems. A stale name's lease is dead: harmless.
+//!   A lock a live lease named there lists is held by an enclosing command, which waits for us;
+//!   but an environment can be saved and restored by anyone: where the lease's pid means a process
+//!   to us, its owner must also be our ancestor.
+//! - Judged by leases and the environment, never a pid alone or a device number: it holds across
+//!   pid namespaces, on btrfs and on shared filesystems. A stale name's lease is dead: harmless.
 //! - An environment cleared on the way (`env -i`, sudo) names nothing: then the live leases of
 //!   our ancestors do, where a lease's pid means the same process to us and it has the lease open.
 //! - Always: a lock of this root held through an inherited descriptor is an enclosing command's.
@@ -89,7 +91,9 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
             .then(|| crate::lease::identity(&leases, name))
             .flatten();
         if let Some(id) = id.filter(|id| id.since.is_some()) {
-            out.holds.extend(held(id));
+            if encloses(name, &id, &chain) {
+                out.holds.extend(held(id));
+            }
             continue;
         }
         // Missing or unwritten: its maker, if our ancestor still and an exec of this root, may
@@ -124,6 +128,16 @@ fn inherited(locks: &Path) -> Vec<Holding> {
         }
     }
     out
+}
+
+/// Whether the live lease `name` the environment names is of an exec that runs us. An environment
+/// can be saved and restored by any process (`export -p`, a CI step's): where the lease's pid means
+/// a process to us, its owner must be our ancestor, holding the lease (a double fork's orphan stays
+/// under `--no-inherit`'s keeper, a subreaper; without one, it has the inherited descriptors, which
+/// tell). Elsewhere (a container in another pid namespace inside the exec, another host) the
+/// environment's word is all we have.
+fn encloses(name: &str, id: &Identity, chain: &[u32]) -> bool {
+    !id.pid_is_ours() || (id.pid.is_some_and(|p| chain[1..].contains(&p)) && owns(name, id))
 }
 
 fn held(id: Identity) -> impl Iterator<Item = Holding> {
