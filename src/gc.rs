@@ -431,6 +431,7 @@ pub(crate) fn take_exclusive(
         name: name.clone(),
         guard,
         seen,
+        under: false,
     }))
 }
 
