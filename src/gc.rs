@@ -473,6 +473,7 @@ pub(crate) fn take_exclusive(
         name: name.clone(),
         guard,
         seen,
+        under: false,
     }))
 }
 

@@ -1,9 +1,12 @@
 //! Nested calls: the holds of the `stowage exec` commands that run us.
 //!
 //! - Each exec appends its lease to its command's [`crate::env::EXEC_LEASES`] (outermost first).
-//!   A lock a live lease named there lists is held by an enclosing command, which waits for us.
-//! - Judged by leases and the environment, never a pid or device number: it holds across pid
-//!   namespaces, on btrfs and on shared filesystems. A stale name's lease is dead: harmless.
+//!   A lock a live lease named there lists is held by an enclosing command, which waits for us;
+//!   but an environment can be saved and restored by anyone: where the lease's pid means a process
+//!   to us, its owner must also be our ancestor.
+//! - Judged by leases and the environment, never a pid alone or a device number: it holds across
+//!   pid namespaces, on btrfs and on shared filesystems. A stale name's lease is dead: harmless.
+//! - An exclusive read ([`HeldAs::ExclusiveRead`]) is no write: a read inside it runs under it.
 //! - An environment cleared on the way (`env -i`, sudo) names nothing: then the live leases of
 //!   our ancestors do, where a lease's pid means the same process to us and it has the lease open.
 //! - Always: a lock of this root held through an inherited descriptor is an enclosing command's.
@@ -39,12 +42,47 @@ pub struct Enclosing {
 
 impl Enclosing {
     /// How an enclosing exec holds the lock file `rel` (relative to `locks/`), if one does.
-    pub fn hold(&self, rel: &str) -> Option<Mode> {
+    pub fn hold(&self, rel: &str) -> Option<HeldAs> {
         self.holds
             .iter()
             .filter(|h| h.lockfile == rel)
-            .map(|h| h.mode)
+            .map(HeldAs::of)
             .max()
+    }
+}
+
+/// How an enclosing exec holds a lock: an exclusive read is exclusive, yet no write (the image is
+/// ready and stays so), so a read inside it may run under it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum HeldAs {
+    Read,
+    ExclusiveRead,
+    Write,
+}
+
+impl HeldAs {
+    pub fn of(h: &Holding) -> HeldAs {
+        match (h.mode, h.reading) {
+            (Mode::Shared, _) => HeldAs::Read,
+            (Mode::Exclusive, true) => HeldAs::ExclusiveRead,
+            (Mode::Exclusive, false) => HeldAs::Write,
+        }
+    }
+
+    pub fn mode(self) -> Mode {
+        match self {
+            HeldAs::Read => Mode::Shared,
+            HeldAs::ExclusiveRead | HeldAs::Write => Mode::Exclusive,
+        }
+    }
+
+    /// As holders are said: "held (exclusive read) by …".
+    pub fn verb(self) -> &'static str {
+        match self {
+            HeldAs::Read => "read",
+            HeldAs::ExclusiveRead => "exclusive read",
+            HeldAs::Write => "write",
+        }
     }
 }
 
@@ -89,7 +127,9 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
             .then(|| crate::lease::identity(&leases, name))
             .flatten();
         if let Some(id) = id.filter(|id| id.since.is_some()) {
-            out.holds.extend(held(id));
+            if encloses(name, &id, &chain) {
+                out.holds.extend(held(id));
+            }
             continue;
         }
         // Missing or unwritten: its maker, if our ancestor still and an exec of this root, may
@@ -120,10 +160,36 @@ fn inherited(locks: &Path) -> Vec<Holding> {
                         .is_ok_and(|m| (m.dev(), m.ino()) == id)
             });
         if let Some(rel) = rel {
-            out.push(Holding::now(mode, rel.to_owned(), false, ""));
+            let mut h = Holding::now(mode, rel.to_owned(), false, "");
+            // No lease says how: an exclusive hold of a ready image is an exclusive read, as a
+            // writer records `writing` before its command starts.
+            h.reading = mode == Mode::Exclusive && rel.starts_with("images/") && ready(locks, rel);
+            out.push(h);
         }
     }
     out
+}
+
+/// Whether the record in the lock file `rel` says ready, read without its lock (two slots make
+/// that safe).
+fn ready(locks: &Path, rel: &str) -> bool {
+    let Ok(Some(file)) = crate::lock::open_existing_read(&locks.join(rel)) else {
+        return false;
+    };
+    crate::image_record::read(&file).is_ok_and(|seen| {
+        seen.record
+            .is_some_and(|r| r.state == crate::image_record::State::Ready)
+    })
+}
+
+/// Whether the live lease `name` the environment names is of an exec that runs us. An environment
+/// can be saved and restored by any process (`export -p`, a CI step's): where the lease's pid means
+/// a process to us, its owner must be our ancestor, holding the lease (a double fork's orphan stays
+/// under `--no-inherit`'s keeper, a subreaper; without one, it has the inherited descriptors, which
+/// tell). Elsewhere (a container in another pid namespace inside the exec, another host) the
+/// environment's word is all we have.
+fn encloses(name: &str, id: &Identity, chain: &[u32]) -> bool {
+    !id.pid_is_ours() || (id.pid.is_some_and(|p| chain[1..].contains(&p)) && owns(name, id))
 }
 
 fn held(id: Identity) -> impl Iterator<Item = Holding> {

@@ -105,8 +105,10 @@ impl Image {
     /// Records a read's use: an exclusive read's always, a shared one's once in a while, and only
     /// into a file of its own (a reader's may have other names). The lock file's last write, told
     /// by the same `fstat`, tells a use recorded by a clock ahead from this clock behind.
+    /// Under an enclosing exclusive read nothing is written: its holder records the use, at its
+    /// finish, after ours.
     fn record_use(&mut self, now: clock::Millis) {
-        if self.lost {
+        if self.lost || self.held.under {
             return;
         }
         let (seen, guard) = (&mut self.held.seen, &self.held.guard);
@@ -193,7 +195,10 @@ impl Session {
             root: root.clone(),
         };
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
-        let images = session.images.iter().map(|i| i.holding(&req.command));
+        // One under an enclosing command's lock holds none: listed by that command alone.
+        let images = (session.images.iter())
+            .filter(|i| !i.held.under)
+            .map(|i| i.holding(&req.command));
         let slot = session
             .slot
             .as_mut()
@@ -596,7 +601,9 @@ fn take_images(
             },
             Err(e) => return give_up_on(root, images, &waited_for, e),
         };
-        held.push(image.holding(&req.command));
+        if !image.held.under {
+            held.push(image.holding(&req.command));
+        }
         images.push(image);
     }
     if images.iter().any(|i| i.held.seen.legacy) {
@@ -671,7 +678,9 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
                 match tree_missing {
                     true => gone.push(i.held.name.clone()),
                     // Not through a reader's file with other names.
-                    false if i.held.guard.has_one_name() => clear.push(i.held.guard.file()),
+                    false if !i.held.under && i.held.guard.has_one_name() => {
+                        clear.push(i.held.guard.file())
+                    }
                     false => {}
                 }
             }

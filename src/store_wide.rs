@@ -22,6 +22,7 @@ use crate::holders::LockKind;
 use crate::image_record;
 use crate::lease::Holding;
 use crate::lock::{self, Guard, Mode, Wait, Waited};
+use crate::nested::HeldAs;
 use crate::root::Root;
 use crate::store::Store;
 
@@ -108,7 +109,7 @@ impl Hold {
     ) -> Result<Hold> {
         let busy = |why: &str| Err(Busy::now("the store-wide lock".into(), why.into()).into());
         let enclosing = crate::nested::enclosing(store.root());
-        if enclosing.hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive) {
+        if enclosing.hold(Root::STORE_WIDE_LOCK_REL).map(HeldAs::mode) == Some(Mode::Exclusive) {
             return busy(
                 "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another",
             );

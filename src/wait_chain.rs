@@ -5,8 +5,8 @@
 //!   it runs, inside which another waits (a nested `stowage exec`, a script's `flock(1)`).
 //! - **Blocked by** whoever holds the lock in a conflicting mode; a reader of an image that is
 //!   only read waits behind the writers queued ahead of it (the gate).
-//! - **Inside** is told by the leases (`within`: the execs it runs inside), and for processes of
-//!   this host and pid namespace by their ancestry in `/proc` (placing `flock(1)` users too).
+//! - **Inside** is told for processes of this host and pid namespace by their ancestry in `/proc`
+//!   (placing `flock(1)` users too), else by the leases (`within`: the execs it runs inside).
 //! - Built from one look ([`Look`]) and its reports: no lock is taken, nothing is waited for.
 
 use std::collections::HashMap;
@@ -182,14 +182,14 @@ impl Graph {
             .iter()
             .filter(|w| key(w) != hkey)
             .filter(|w| {
-                let by_lease = (w.lease.as_ref().zip(holder.lease.as_ref()))
-                    .is_some_and(|(wl, hl)| self.within.get(wl).is_some_and(|v| v.contains(hl)));
-                let by_pid = self.is_local(w)
-                    && self.is_local(holder)
-                    && w.pid
-                        .zip(holder.pid)
+                // Where pids tell, they alone do: a lease's `within` is the environment it was
+                // started with, which any process may have restored (nested.rs).
+                if self.is_local(w) && self.is_local(holder) {
+                    return (w.pid.zip(holder.pid))
                         .is_some_and(|(wp, hp)| crate::nested::ancestors_of(wp).contains(&hp));
-                by_lease || by_pid
+                }
+                (w.lease.as_ref().zip(holder.lease.as_ref()))
+                    .is_some_and(|(wl, hl)| self.within.get(wl).is_some_and(|v| v.contains(hl)))
             })
             .cloned()
             .collect()

@@ -6,7 +6,8 @@
 //!   file; a reader that sees the hint passes the gate (shared) before it keeps its lock, so once a
 //!   writer waits, new readers queue behind it. The gate precedes its lock in the lock order.
 //! - **No wait for oneself.** A lock an enclosing exec holds (`nested.rs`) in a conflicting mode
-//!   fails at once; a reader inside a reader passes the gate.
+//!   fails at once; a reader inside a reader passes the gate; a reader inside an exclusive read
+//!   runs under it, taking no lock.
 //! - **The record comes with the lock**, read by the `pread` proving the file is still at its path.
 
 use std::io;
@@ -19,6 +20,7 @@ use crate::holders::LockKind;
 use crate::image_record::{self, Seen};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
 use crate::name::ImageName;
+use crate::nested::HeldAs;
 use crate::root::Root;
 use crate::store::Store;
 
@@ -29,6 +31,9 @@ pub struct Held {
     pub name: ImageName,
     pub guard: Guard,
     pub seen: Seen,
+    /// The lock is an enclosing command's, not taken: `guard` has none, and nothing is written
+    /// through it (a read inside an exclusive read).
+    pub under: bool,
 }
 
 /// How to take one image lock.
@@ -45,6 +50,17 @@ pub(crate) struct Want<'a> {
     pub must_exist: &'a [ImageName],
     /// The locks the request holds already, listed in the lease with a wait (`acquire::wait_for`).
     pub held: &'a [crate::lease::Holding],
+}
+
+impl Want<'_> {
+    /// "read", "write", "exclusive read": as messages say the lock wanted.
+    fn verb(&self) -> &'static str {
+        if self.reading {
+            "exclusive read"
+        } else {
+            self.mode.verb()
+        }
+    }
 }
 
 /// Takes one image lock, waiting as allowed; nothing is created unless `want.create`.
@@ -84,12 +100,15 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
                 refuse_shared_lock_file(name, &image_record::read_of(&f, name.as_str())?)?;
             }
             let enclosing = crate::nested::enclosing(root);
-            if let Some(held) = conflict(&enclosing, &Root::image_lock_rel(name), want.mode) {
-                return Err(waits_for_itself(name, want.mode, held));
+            match enclosed(&enclosing, &Root::image_lock_rel(name), want) {
+                Some(Enclosed::Under) => under_enclosing(root, name)?,
+                Some(Enclosed::Conflict(held)) => return Err(waits_for_itself(name, want, held)),
+                None => {
+                    require_all(root, want.must_exist)?;
+                    let writer_ahead = matches!(busy, Tried::WriterWaiting);
+                    wait_taking(store, name, want, writer_ahead, &enclosing)?
+                }
             }
-            require_all(root, want.must_exist)?;
-            let writer_ahead = matches!(busy, Tried::WriterWaiting);
-            wait_taking(store, name, want, writer_ahead, &enclosing)?
         }
     };
     refuse_shared_lock_file(name, &held.seen)?;
@@ -128,12 +147,7 @@ fn wait_taking(
     let root = store.root();
     let (path, rel) = (root.image_lock(name), Root::image_lock_rel(name));
     let err = |e| lock::error(&format!("image '{name}'"), &path, e);
-    let verb = if want.reading {
-        "exclusive read"
-    } else {
-        want.mode.verb()
-    };
-    let what = format!("{verb} lock on image '{name}'");
+    let what = format!("{} lock on image '{name}'", want.verb());
     let now = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path, writer_ahead);
     let holders = now();
     // The holder may be gone by now (on FUSE and NFS a close releases the lock late): one more try.
@@ -158,7 +172,7 @@ fn wait_taking(
     let mut holding = crate::lease::Holding::now(want.mode, rel.clone(), true, want.command);
     holding.reading = want.reading;
     // An enclosing exec that had not announced its lease: looked for again while we wait.
-    let ours_now = || conflict(&crate::nested::enclosing_now(root), &rel, want.mode);
+    let ours_now = || enclosed(&crate::nested::enclosing_now(root), &rel, want);
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
     if enclosing.unannounced {
         wait.give_up = Some(Box::new(|| ours_now().is_some()));
@@ -170,9 +184,12 @@ fn wait_taking(
     drop(line);
     if waited.is_err()
         && enclosing.unannounced
-        && let Some(held) = ours_now()
+        && let Some(found) = ours_now()
     {
-        return Err(waits_for_itself(name, want.mode, held));
+        return match found {
+            Enclosed::Under => under_enclosing(root, name),
+            Enclosed::Conflict(held) => Err(waits_for_itself(name, want, held)),
+        };
     }
     let guard = match waited {
         // Removed while we waited (a reader makes no lock file).
@@ -188,26 +205,57 @@ fn wait_taking(
         name: name.clone(),
         guard,
         seen,
+        under: false,
     })
 }
 
-/// How an enclosing exec holds `rel` if we would wait for it in `mode`: for good.
-fn conflict(enclosing: &crate::nested::Enclosing, rel: &str, mode: Mode) -> Option<Mode> {
-    enclosing
-        .hold(rel)
-        .filter(|held| mode == Mode::Exclusive || *held == Mode::Exclusive)
+/// What a lock an enclosing exec holds means for a request that finds it busy.
+enum Enclosed {
+    /// Held in a conflicting mode: a wait would be for good.
+    Conflict(HeldAs),
+    /// A read inside an exclusive read: no writer, the image ready, the holder waiting for us.
+    Under,
+}
+
+/// How an enclosing exec's hold of `rel` bears on `want`, if one holds it; a read inside a read
+/// shares the lock (None).
+fn enclosed(enclosing: &crate::nested::Enclosing, rel: &str, want: &Want) -> Option<Enclosed> {
+    match (want.mode, enclosing.hold(rel)?) {
+        (Mode::Shared, HeldAs::Read) => None,
+        (Mode::Shared, HeldAs::ExclusiveRead) => Some(Enclosed::Under),
+        (_, held) => Some(Enclosed::Conflict(held)),
+    }
+}
+
+/// A read under the lock an enclosing exclusive read holds: the lock file opened, not locked, and
+/// its record read (two slots make that safe).
+fn under_enclosing(root: &Root, name: &ImageName) -> Result<Held> {
+    let path = root.image_lock(name);
+    let err = |e| lock::error(&format!("image '{name}'"), &path, e);
+    let Some(guard) = lock::open_under(&path, Mode::Shared).map_err(err)? else {
+        return Err(no_such(name));
+    };
+    let seen = image_record::read_of(guard.file(), name.as_str()).map_err(err)?;
+    Ok(Held {
+        name: name.clone(),
+        guard,
+        seen,
+        under: true,
+    })
 }
 
 /// The error for a lock our enclosing command holds in a conflicting mode: a read finds the image
-/// not ready (66); a write finds the lock busy (75).
-fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
-    match mode {
+/// not ready (66); a write or exclusive read finds the lock busy (75), held as `held` says.
+fn waits_for_itself(name: &ImageName, want: &Want, held: HeldAs) -> anyhow::Error {
+    match want.mode {
         Mode::Shared => Error::NotReady {
             name: name.as_str().to_owned(),
             state: format!("being written by {}", super::ENCLOSING),
         }
         .into(),
-        Mode::Exclusive => super::never_ends(format!("write lock on image '{name}'"), held),
+        Mode::Exclusive => {
+            super::never_ends(format!("{} lock on image '{name}'", want.verb()), held)
+        }
     }
 }
 
@@ -269,6 +317,7 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
         name: name.clone(),
         guard,
         seen,
+        under: false,
     })))
 }
 

@@ -15,7 +15,7 @@ use anyhow::Result;
 
 use crate::error::{Busy, Error};
 use crate::lease::Holding;
-use crate::lock::{Mode, Waited};
+use crate::lock::Waited;
 use crate::store::Store;
 
 pub mod image;
@@ -61,8 +61,8 @@ pub(crate) fn wait_for<T>(
 pub(crate) const ENCLOSING: &str =
     "an enclosing command of this process (a 'stowage exec' that runs it)";
 
-/// Busy (75): `what` is held (in mode `held`) by our enclosing exec, which waits for us.
-pub(crate) fn never_ends(what: String, held: Mode) -> anyhow::Error {
+/// Busy (75): `what` is held (as `held`) by our enclosing exec, which waits for us.
+pub(crate) fn never_ends(what: String, held: crate::nested::HeldAs) -> anyhow::Error {
     let holders = format!(
         "held ({}) by {ENCLOSING}; waiting for it would never end",
         held.verb()

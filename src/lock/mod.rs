@@ -198,6 +198,13 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     found(opened.and_then(|f| crate::planted::check_written(path, &f).map(|()| f)))
 }
 
+/// An existing lock file opened with no lock of ours, for a command that works under the lock an
+/// enclosing command holds (`nested.rs`): read through, never written; its close releases nothing.
+/// `None` if missing.
+pub fn open_under(path: &Path, mode: Mode) -> io::Result<Option<Guard>> {
+    Ok(open_existing_read(path)?.map(|file| guard(file, path, mode, None)))
+}
+
 /// [`open_existing`] for a file only read or locked: only its type is checked, so a lock file with
 /// other names (a store copied by `cp -al`) is read.
 pub fn open_existing_read(path: &Path) -> io::Result<Option<File>> {

@@ -2287,6 +2287,48 @@ fn a_live_lease_naming_an_ancestor_that_does_not_hold_it_names_no_enclosing_exec
     assert!(!err.contains("never end"), "{err}");
 }
 
+/// An environment saved under an exec (`export -p`, as CI steps do) and restored by a process the
+/// exec does not run names a live lease whose owner is no ancestor of that process: it encloses
+/// nothing. A full slot class is not worked under (two commands under a limit of 1), and a write
+/// of the image the exec reads is busy like anyone's, not refused as a wait for itself.
+#[test]
+fn a_restored_environment_names_no_enclosing_exec_unless_its_owner_is_an_ancestor() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "1"]);
+    let saved = env.sentinel("saved");
+    let holder = env.start_sh(&["--slot", "pull", "--read", "base"], |started| {
+        format!(
+            "printf %s \"$STOWAGE_EXEC_LEASES\" > '{saved}'; touch '{started}'; \
+             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            saved = saved.display(),
+            started = started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
+    let leaked = fs::read_to_string(&saved).unwrap();
+    assert!(leaked.ends_with(".lease"), "{leaked:?}");
+    let restored = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::EXEC_LEASES, &leaked);
+        output(c)
+    };
+    let out = restored(&["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "ran past the limit: {}", show(&out));
+    assert!(stderr(&out).contains("all in use by pid"), "{}", show(&out));
+    let out = restored(&["exec", "--write", "base", "--no-wait", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(!stderr(&out).contains("enclosing"), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("held (read) by pid"),
+        "{}",
+        show(&out)
+    );
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
 /// A script that plants lease `planted.lease` naming the shell that runs it (pid, start, host,
 /// boot, namespaces) as a holder of `base`'s lock, then runs `then`.
 fn plant_lease(then: &str) -> String {

@@ -838,6 +838,31 @@ fn nested_writes_that_would_wait_for_themselves_fail_at_once() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
+/// An exclusive read is no write: a read nested in one runs at once, under it (the image is
+/// ready, no writer can come, and the enclosing command waits for it), as a read nested in a read
+/// does; a write or an exclusive read nested in one is refused, told it is an exclusive read.
+/// Alike where only the inherited descriptors tell (`env -i setsid -f`).
+#[test]
+fn a_read_nested_in_an_exclusive_read_runs_under_it_and_a_write_there_is_told_it_is_a_read() {
+    let env = Env::new();
+    env.make_image("base");
+    let outer = ["--read-exclusive", "base"];
+    let said = "held (exclusive read) by an enclosing command";
+    let out = nested(&env, &outer, "--read base --wait 30");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    for inner in ["--write base", "--read-exclusive base"] {
+        let out = nested(&env, &outer, &format!("{inner} --wait 30"));
+        assert_eq!(out.status.code(), Some(75), "{inner}: {}", show(&out));
+        assert!(stderr(&out).contains(said), "{inner}: {}", show(&out));
+    }
+    let (rc, err) = nested_detached(&env, &outer, "exec --read base --wait 30 -- true");
+    assert_eq!(rc, "0", "{err}");
+    let (rc, err) = nested_detached(&env, &outer, "rm --wait 30 base");
+    assert_eq!(rc, "75", "{err}");
+    assert!(err.contains(said), "{err}");
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
 #[test]
 fn nested_slot_of_a_full_class_works_under_the_enclosing_slot() {
     let env = Env::new();
