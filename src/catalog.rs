@@ -731,6 +731,13 @@ impl<'a> Catalog<'a> {
         Ok(())
     }
 
+    /// Forgets every size kept: trees a store-wide command may have changed, their records not.
+    pub fn forget_sizes(&self) -> Result<()> {
+        let sql = "UPDATE images SET size_bytes = NULL, size_seq = NULL, size_record = NULL";
+        self.conn.execute(sql, [])?;
+        Ok(())
+    }
+
     /// Keeps a size measured for the tree `record` describes (and its `seq`, for older releases).
     pub fn set_size(&self, name: &str, record: &Record, size: u64) -> Result<()> {
         let sql =

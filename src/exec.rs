@@ -272,6 +272,10 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
         let said = format!("image '{name}' was deleted by the store-wide command");
         store.ctx().say(&said);
     }
+    // Trees it changed keep their records: the sizes kept for them go (the next look measures),
+    // while the hold stands, so none measured meanwhile outlives it. Only a cache: a failure is no
+    // loss.
+    let _ = store.with_catalog(None, |c, _| c.forget_sizes());
     hold.release(store);
     code
 }

@@ -227,10 +227,10 @@ impl Session {
         for img in self.images.iter_mut() {
             if img.role != Role::Write {
                 img.record_use(now);
-                // It may change the tree: where locks may be lost, its record is numbered anew
-                // (same contents), which a reader whose lock was lost meanwhile finds changed.
+                // It may change the tree: its record is numbered anew (same contents), so a size
+                // kept for the tree before is not taken for it after, and a reader whose lock was
+                // lost meanwhile (where locks may be lost) finds it changed.
                 if img.role == Role::ReadExclusive
-                    && img.held.guard.may_be_lost()
                     && let Some(r) = img.held.seen.record.clone()
                 {
                     write_record(store, &mut img.held, &r)?;

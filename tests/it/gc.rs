@@ -764,6 +764,41 @@ fn bytes_freed_counts_the_lock_files_that_go() {
     assert_eq!(dry["bytes_freed"], report["bytes_freed"], "{dry}");
 }
 
+/// The size `images --json` shows for image `name`.
+fn shown_size(env: &Env, name: &str) -> u64 {
+    let rows = env.images_json();
+    let row = rows.iter().find(|r| r["name"] == name).unwrap();
+    row["size_bytes"].as_u64().unwrap()
+}
+
+/// A tree an exclusive read or a store-wide command grew keeps its record,
+/// yet its size is measured anew: `images` shows it, and gc's budget counts
+/// it. Before, the size kept for the record stood: 1 MiB shown for 11, and
+/// a budget of 12 MiB "met" by 19 MiB of images.
+#[test]
+fn a_tree_grown_by_an_exclusive_read_or_a_store_wide_command_is_measured_anew() {
+    let env = lru_store();
+    assert!(shown_size(&env, "a") < 2 << 20, "sizes kept");
+    let grow = |image: &str, mib: u32| {
+        format!("head -c {mib}M /dev/zero >> \"$STOWAGE_IMAGES_DIR/{image}/blob\"")
+    };
+    env.ok([
+        "exec",
+        "--read-exclusive",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &grow("a", 10),
+    ]);
+    assert!(shown_size(&env, "a") >= 11 << 20, "{:?}", env.images_json());
+    env.ok(["exec", "--store-wide", "--", "sh", "-c", &grow("b", 5)]);
+    assert!(shown_size(&env, "b") >= 6 << 20, "{:?}", env.images_json());
+    // a, read last, is the most recently used: 11 MiB of it fit, with nothing else.
+    let report = gc_json(&env, &["--max-size", "12M"], "2026-02-01T00:00:00Z");
+    assert_eq!(removed(&report), ["b", "c", "d"], "{report}");
+}
+
 /// `stowage ARGS…` with the clock fixed at `now` (RFC 3339).
 fn at(env: &Env, now: &str, args: &[&str]) -> std::process::Output {
     let mut c = env.cmd(args);
