@@ -23,12 +23,18 @@ pub struct Awaited {
     pub kind: LockKind,
     pub name: String,
     pub mode: Mode,
+    /// Exclusive, to read (`--read-exclusive`): said so, never as a write.
+    #[serde(skip)]
+    pub reading: bool,
 }
 
 impl Awaited {
     /// "write lock on image 'app'", "a slot of class 'pull'"
     pub fn describe(&self) -> String {
         match self.kind {
+            LockKind::Image if self.reading => {
+                format!("exclusive read lock on image '{}'", self.name)
+            }
             LockKind::Image => format!("{} lock on image '{}'", self.mode.verb(), self.name),
             LockKind::Slot => format!("a slot of class '{}'", self.name),
             // The global lock is never awaited in a graph ([`Graph::new`]): the store's or gc's.
@@ -124,6 +130,7 @@ impl Graph {
                     kind: r.kind,
                     name: r.name.clone(),
                     mode: w.mode,
+                    reading: w.reading,
                 };
                 let ws = g.waits.entry(key(w)).or_insert_with(|| {
                     g.waiters.push(w.clone());

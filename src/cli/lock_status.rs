@@ -139,7 +139,12 @@ fn party(p: &Party) -> String {
     if let Some(u) = &p.user {
         s.push_str(&format!(" by {}", printable(u)));
     }
-    s.push_str(&format!(" ({})", p.mode.as_str()));
+    let mode = if p.reading {
+        "exclusive read"
+    } else {
+        p.mode.as_str()
+    };
+    s.push_str(&format!(" ({mode})"));
     if let Some(c) = &p.command {
         s.push_str(&format!(": {}", printable(c)));
     }

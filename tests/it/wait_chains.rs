@@ -311,3 +311,30 @@ fn a_writer_stopped_while_waiting_for_a_free_lock_is_named_as_what_keeps_readers
     writer.signal(libc::SIGCONT);
     assert_eq!(code(&writer.finish()), Some(0));
 }
+
+/// An exclusive read is said as one wherever a holder or a waiter is
+/// shown: lock-status's table and `--why`'s chain. Before, the table said
+/// `(exclusive)` and `--why` had the waiter wait for a "write lock".
+#[test]
+fn an_exclusive_read_is_never_said_to_be_a_write() {
+    let env = Env::new();
+    env.make_image("app");
+    let holder = env.hold(&["--read-exclusive", "app"], "started");
+    let waiter = env.spawn(["exec", "--read-exclusive", "app", "--", "true"]);
+    env.wait_for_waiter("app");
+    let table = stdout(&env.ok(["lock-status", "app"]));
+    let said = |pid: u32| {
+        (table.lines())
+            .any(|l| l.contains(&format!("pid {pid} ")) && l.contains("(exclusive read)"))
+    };
+    assert!(said(holder.pid()) && said(waiter.pid()), "{table}");
+    let text = stdout(&env.ok(["lock-status", "--why", &waiter.pid().to_string()]));
+    assert!(
+        text.contains("waits for exclusive read lock on image 'app'"),
+        "{text}"
+    );
+    assert!(!text.contains("write lock"), "{text}");
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(code(&waiter.finish()), Some(0));
+}
