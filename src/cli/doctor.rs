@@ -63,7 +63,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
         // (A repair needs write access: no advice to someone without it.)
         let writable = !report.checks.iter().any(|c| c.check == "access");
-        if !report.healthy && !args.repair && report.locking && writable {
+        if report.repairable && !args.repair && report.locking && writable {
             out.push_str("run 'stowage doctor --repair' to fix what is safe to fix\n");
         }
         super::print(&out)?;

@@ -48,7 +48,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         }
     };
     if !repair {
-        report.add("config", Problem, format!("{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
+        report.by_repair().add("config", Problem, format!("{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
         return Ok(false);
     }
     let aside = match dir.set_aside(config::FILE, "damaged") {

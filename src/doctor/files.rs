@@ -153,7 +153,7 @@ fn planted(
     if !repair {
         let fix = crate::planted::FIX;
         let detail = format!("{shown} is {kind}, not {not}: {why}{replaced}; {fix}");
-        report.add("files", Problem, detail);
+        report.by_repair().add("files", Problem, detail);
         return;
     }
     match dir.set_aside(name, "planted") {
@@ -218,7 +218,7 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };
     if !repair {
-        report.add(check, Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
+        report.by_repair().add(check, Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
         return;
     }
     let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");

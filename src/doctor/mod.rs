@@ -60,9 +60,18 @@ pub struct Report {
     pub locking: bool,
     pub healthy: bool,
     pub checks: Vec<Check>,
+    /// Whether a problem found is one `--repair` puts right: only then is the user sent to it.
+    #[serde(skip)]
+    pub repairable: bool,
 }
 
 impl Report {
+    /// Marks what is said next as a problem a repair puts right.
+    fn by_repair(&mut self) -> &mut Report {
+        self.repairable = true;
+        self
+    }
+
     fn add(&mut self, check: &'static str, status: Verdict, detail: impl Into<String>) {
         self.checks.push(Check {
             check,
@@ -170,6 +179,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         locking: true,
         healthy: true,
         checks: Vec::new(),
+        repairable: false,
     };
     if let Some(f) = &fs_info {
         let polls = crate::filesystem::filesystem(root.dir()).is_ok_and(|f| lock::polls(&f));
@@ -335,7 +345,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     }
     if !repair {
         let (n, parts) = (wrong.len(), sharing::list(&wrong, 4));
-        report.add("sharing", Problem, format!("group store (group {label}), but {n} part(s) its members cannot use: {parts} ({doc})"));
+        report.by_repair().add("sharing", Problem, format!("group store (group {label}), but {n} part(s) its members cannot use: {parts} ({doc})"));
         return;
     }
     let done = sharing::repair(root, gid, wrong);
@@ -378,6 +388,7 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
         let advice = if users_own {
             format!(" — {}", crate::planted::IMG_LINK)
         } else {
+            report.by_repair();
             " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew".to_owned()
         };
         report.add("layout", Problem, format!("{shown} is {bad}{target}{advice}"));
@@ -443,7 +454,7 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
             report.catalog(Problem, format!("{shown}: schema version {v}, made by a release before image records; any command migrates it"))
         }
         Found::Replaced(why) if !repair => {
-            report.catalog(Problem, format!("{shown} cannot be used ({why}); {DERIVED}"))
+            report.by_repair().catalog(Problem, format!("{shown} cannot be used ({why}); {DERIVED}"))
         }
         Found::Replaced(why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
@@ -464,7 +475,9 @@ fn stuck_in_wal(
 ) -> Result<Verdict> {
     let db = store.root().db();
     if !repair {
-        return Ok(report.catalog(Problem, format!("{e:#}; {FROM_RECORDS}")));
+        return Ok(report
+            .by_repair()
+            .catalog(Problem, format!("{e:#}; {FROM_RECORDS}")));
     }
     let why = e
         .downcast_ref::<crate::catalog::StuckInWal>()
@@ -529,7 +542,9 @@ fn planted_catalog(
             continue;
         }
         // Only a file found to be something else is set aside, not one that could not be looked at.
-        if !repair || e.downcast_ref::<crate::catalog::CatalogError>().is_none() {
+        let set_aside = e.downcast_ref::<crate::catalog::CatalogError>().is_some();
+        if !repair || !set_aside {
+            report.repairable |= set_aside;
             return Ok(Some(report.catalog(Problem, format!("{e:#}"))));
         }
         let _global = store.global(None)?;
@@ -574,7 +589,9 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
         return Ok(report.catalog(Verdict::Ok, detail));
     }
     if !repair {
-        return Ok(report.catalog(Problem, format!("{shown} is damaged ({check}); {DERIVED}")));
+        return Ok(report
+            .by_repair()
+            .catalog(Problem, format!("{shown} is damaged ({check}); {DERIVED}")));
     }
     store.close_catalog();
     let aside = crate::store::set_aside(store.root(), "damaged")?;
@@ -632,6 +649,7 @@ fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
     report.naming("removals", Info, &done.underway, |names| {
         format!("removal of {names} is under way (a stowage process holds its lock)")
     });
+    report.repairable |= !done.busy.is_empty();
     report.naming("removals", Problem, &done.busy, |names| match repair {
         false => format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it"),
         true => format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it"),
@@ -717,7 +735,7 @@ fn outside_images_dir(
     match lacks {
         Ok(None) => {}
         Err(e) => report.add("sharing", Problem, format!("{e:#}")),
-        Ok(Some(lacks)) if !repair => report.add("sharing", Problem, format!("images directory {shown} {lacks}: members cannot use what others make in it ('stowage doctor --repair' by its owner or root gives it group {label})")),
+        Ok(Some(lacks)) if !repair => report.by_repair().add("sharing", Problem, format!("images directory {shown} {lacks}: members cannot use what others make in it ('stowage doctor --repair' by its owner or root gives it group {label})")),
         Ok(Some(_)) => match sharing::images_dir_to_group(images, dir, gid) {
             Ok(()) => report.add("sharing", Repaired, format!("gave images directory {shown} group {label} and group write (setgid, no default ACL)")),
             Err(e) => report.add("sharing", Problem, format!("{e:#}")),
@@ -815,6 +833,7 @@ fn orphan_trees(
             1 => ("has", "it"),
             _ => ("have", "them"),
         };
+        report.repairable |= !orphaned.is_empty();
         report.naming("images", Problem, &orphaned, |names| {
             format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them} as {state}")
         });
@@ -852,6 +871,7 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
             1 => ("has a record", "it"),
             _ => ("have records", "their records"),
         };
+        report.repairable |= !gone.is_empty();
         report.naming("images", Problem, gone, |names| {
             format!("{names} {have} but no tree; 'stowage doctor --repair' drops {them}")
         });
@@ -902,7 +922,9 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     if !trash.entries.is_empty() {
         let (n, size) = (trash.entries.len(), crate::disk_usage::human(trash.bytes));
         let what = format!("{n} left in {} ({size})", root.trash().display());
-        report.swept("trash", repair.then_some("deleted"), Problem, what);
+        report
+            .by_repair()
+            .swept("trash", repair.then_some("deleted"), Problem, what);
     }
     // On a filesystem where lock files are never unlinked, empty ones are no leftovers.
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {

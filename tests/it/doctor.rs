@@ -1267,3 +1267,30 @@ fn a_write_refused_over_lost_found_does_not_advise_a_repair_that_never_adopts_it
     let out = env.run(["doctor", "--repair"]);
     assert_eq!(env.image("lost:found"), None, "{}", show(&out));
 }
+
+/// doctor sends the user to `--repair` only where a repair puts something
+/// right: not for a problem only the user can mend (a lock file hard-linked
+/// elsewhere), but for a trash leftover. Before, every report with a
+/// problem ended "run 'stowage doctor --repair' to fix what is safe to
+/// fix", which then fixed nothing and exited 1 again.
+#[test]
+fn doctor_sends_to_a_repair_only_what_a_repair_puts_right() {
+    let env = Env::new();
+    env.make_image("app");
+    let advice = "run 'stowage doctor --repair'";
+    let elsewhere = env.sentinel("second-name");
+    fs::hard_link(env.lock_file("app"), &elsewhere).unwrap();
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("is a hard link"), "{}", show(&out));
+    assert!(!stdout(&out).contains(advice), "{}", show(&out));
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "a repair does not mend it: {}", show(&out));
+
+    fs::remove_file(&elsewhere).unwrap();
+    fs::create_dir_all(env.root.join("trash/left")).unwrap();
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains(advice), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
+}
