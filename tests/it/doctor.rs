@@ -1285,7 +1285,12 @@ fn doctor_sends_to_a_repair_only_what_a_repair_puts_right() {
     assert!(stdout(&out).contains("is a hard link"), "{}", show(&out));
     assert!(!stdout(&out).contains(advice), "{}", show(&out));
     let out = env.run(["doctor", "--repair"]);
-    assert_eq!(code(&out), Some(1), "a repair does not mend it: {}", show(&out));
+    assert_eq!(
+        code(&out),
+        Some(1),
+        "a repair does not mend it: {}",
+        show(&out)
+    );
 
     fs::remove_file(&elsewhere).unwrap();
     fs::create_dir_all(env.root.join("trash/left")).unwrap();
