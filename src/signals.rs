@@ -6,8 +6,8 @@
 //! - Before the command starts, a signal cancels the lock waits (exit 128+N, nothing left behind).
 //!   The signal thread starts with the first wait; without one the waits watch a signalfd.
 //! - While the command runs, signals are forwarded, but for a terminal's (SI_KERNEL) that reached a
-//!   command in our process group too (not a hangup to a session leader alone). One that ends
-//!   the command is followed by SIGCONT: a stopped command acts on nothing else.
+//!   command in our process group too (not a hangup to a session leader alone). One that ends a
+//!   stopped command is followed by SIGCONT: it acts on nothing else.
 //! - Long work outside the command (a `--from` copy, measuring) asks [`check`] between steps: a
 //!   pending signal stops it, exit 128+N.
 //! - Hand-over: Waiting → Running(pid) under a mutex while spawning (a signal is seen before the
@@ -290,12 +290,16 @@ pub fn pass_on(pid: libc::pid_t, sig: i32, code: i32, our_pgid: libc::pid_t, we_
     }
 }
 
-/// Sends `sig` to `pid`; one that asks it to end is followed by SIGCONT, as timeout(1) does: a
-/// stopped process acts on no signal but SIGKILL until continued, and would keep its locks.
+/// Sends `sig` to `pid`; one that asks a stopped process to end is followed by SIGCONT: it acts
+/// on no signal but SIGKILL until continued, and would keep its locks. Only a stopped one: a
+/// running command may handle SIGCONT itself (a shell's `trap … CONT`), and a stray one there can
+/// cancel its handling of the first.
 pub fn end_or_note(pid: libc::pid_t, sig: i32) {
     // SAFETY: plain kill(2) of a process of ours (an unreaped child, or one of the keeper's tree).
     unsafe { libc::kill(pid, sig) };
-    if ends_the_command(sig) {
+    let stopped =
+        || crate::ident::stat_fields(pid).is_some_and(|f| f.trim_start().starts_with('T'));
+    if ends_the_command(sig) && stopped() {
         // SAFETY: as above.
         unsafe { libc::kill(pid, libc::SIGCONT) };
     }

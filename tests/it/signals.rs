@@ -1138,6 +1138,34 @@ fn a_termination_signal_ends_a_stopped_command_and_why_names_it() {
     }
 }
 
+/// A running command gets the termination signal forwarded, and no
+/// SIGCONT after it: one that handles SIGCONT itself (a shell's `trap …
+/// CONT`) would run that handler, and bash may then lose the pending TERM's
+/// trap and exit 0, its image recorded ready. Before, every forwarded
+/// termination signal was followed by SIGCONT.
+#[test]
+fn a_running_command_gets_no_sigcont_after_a_forwarded_signal() {
+    for mode in [&[][..], &["--no-inherit"][..]] {
+        let env = Env::new();
+        let log = env.sentinel("signals");
+        let mut locks = mode.to_vec();
+        locks.extend(["--write", "app"]);
+        let bg = env.start_sh(&locks, |started| {
+            format!(
+                // A moment after its TERM trap, for a SIGCONT sent with it to come too.
+                "trap 'echo CONT >> {l}' CONT; trap 'echo TERM >> {l}; touch {l}.seen' TERM; touch '{s}'; while [ ! -e {l}.seen ]; do sleep 0.01; done; sleep 0.2; exit 3",
+                l = log.display(),
+                s = started.display()
+            )
+        });
+        bg.signal(libc::SIGTERM);
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(3), "{mode:?}: {}", show(&out));
+        assert_eq!(fs::read_to_string(&log).unwrap(), "TERM\n", "{mode:?}");
+        assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    }
+}
+
 // --- signals from a terminal ------------------------------------------------
 
 /// A pseudo-terminal whose slave is the controlling terminal of a new
