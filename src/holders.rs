@@ -957,10 +957,12 @@ fn state_stopped(fields: &str) -> Option<Stopped> {
     }
 }
 
-/// The stopped command of a local stowage exec `p` (its child, or its keeper's): its pid and how.
-/// A stopped command keeps the exec's locks however long, and its pid is not the one shown. One
-/// pass over `/proc`: asked only for the end of a wait chain.
-pub fn stopped_command(p: &Party) -> Option<(u32, Stopped)> {
+/// A stopped process under a local stowage exec `p`, nearest first: its pid, how it is stopped,
+/// and whether it is the exec's command (its child, or its `--no-inherit` keeper's), which a
+/// termination signal to `p` ends. A stopped process keeps the exec going (or, kept, its locks)
+/// however long, and its pid is not the one shown. One pass over `/proc`: asked only for the end
+/// of a wait chain.
+pub fn stopped_below(p: &Party) -> Option<(u32, Stopped, bool)> {
     let pid = p
         .pid
         .filter(|_| p.pid_space == PidSpace::Here && p.stowage == Some(true))?;
@@ -972,13 +974,26 @@ pub fn stopped_command(p: &Party) -> Option<(u32, Stopped)> {
             Some((child, parent, fields))
         })
         .collect();
-    // The exec's children, and the children of those that run stowage (a `--no-inherit` keeper).
     let children = |of: u32| procs.iter().filter(move |(_, parent, _)| *parent == of);
-    let keepers = children(pid).filter(|(c, _, _)| ident::runs_stowage(*c));
-    let commands = children(pid).chain(keepers.flat_map(|(k, _, _)| children(*k)));
-    commands
-        .filter_map(|(c, _, fields)| Some((*c, state_stopped(fields)?)))
-        .next()
+    let keepers: Vec<u32> = (children(pid).map(|(c, _, _)| *c))
+        .filter(|&c| ident::runs_stowage(c))
+        .collect();
+    let is_command = |parent: u32| parent == pid || keepers.contains(&parent);
+    // Breadth first, so the nearest is found first; bounded, as a tree may change meanwhile.
+    let mut level = vec![pid];
+    for _ in 0..64 {
+        let below: Vec<&(u32, u32, String)> = level.iter().flat_map(|&q| children(q)).collect();
+        if let Some((c, parent, how)) =
+            (below.iter()).find_map(|(c, parent, f)| Some((*c, *parent, state_stopped(f)?)))
+        {
+            return Some((c, how, is_command(parent) && !keepers.contains(&c)));
+        }
+        level = below.iter().map(|(c, _, _)| *c).collect();
+        if level.is_empty() {
+            break;
+        }
+    }
+    None
 }
 
 /// Who holds the global lock, for the rare message about waiting for it.

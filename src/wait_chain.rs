@@ -314,12 +314,19 @@ pub fn advice(chain: &Chain) -> String {
         Some(Stopped::ByTracer) => {
             format!("{name} is stopped by its tracer (a debugger): let it go on, or end it{kill}")
         }
-        None => match crate::holders::stopped_command(end) {
-            Some((command, Stopped::BySignal)) => format!(
+        None => match crate::holders::stopped_below(end) {
+            Some((command, Stopped::BySignal, true)) => format!(
                 "{name} runs a stopped command (pid {command}): continue it (kill -CONT {command}), or end it{kill}"
             ),
-            Some((command, Stopped::ByTracer)) => format!(
+            Some((command, Stopped::ByTracer, true)) => format!(
                 "{name} runs a command stopped by its tracer (pid {command}, a debugger): let it go on, or end it{kill}"
+            ),
+            // Deeper, a signal to the exec reaches only its command: the stopped one is to go on.
+            Some((other, Stopped::BySignal, false)) => format!(
+                "{name} waits for pid {other} under it, which is stopped: continue it (kill -CONT {other})"
+            ),
+            Some((other, Stopped::ByTracer, false)) => format!(
+                "{name} waits for pid {other} under it, stopped by its tracer (a debugger): let it go on"
             ),
             None => {
                 format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}")

@@ -3,6 +3,8 @@
 //! users; a cycle named, and the process to end to break it. Every chain
 //! here is made of real processes of the real binary with bounded waits.
 
+use std::fs;
+
 use serde_json::Value;
 
 use crate::common::*;
@@ -337,4 +339,37 @@ fn an_exclusive_read_is_never_said_to_be_a_write() {
     env.release("release");
     assert_eq!(code(&holder.finish()), Some(0));
     assert_eq!(code(&waiter.finish()), Some(0));
+}
+
+/// A process stopped deeper under a holder (its command's child) is named
+/// with what continues it; a signal to the holder would end the command
+/// alone, the stopped child keeping the lock. Before, the advice was
+/// "waits for nothing stowage can see … kill PID", which freed nothing.
+#[test]
+fn why_names_a_stopped_process_deeper_under_a_holder() {
+    let env = Env::new();
+    env.make_image("app");
+    let kid_file = env.sentinel("kid");
+    let script = format!(
+        "sleep 60 & echo $! > '{k}'; touch '{k}.started'; wait",
+        k = kid_file.display()
+    );
+    let holder = env.spawn(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("kid.started"));
+    let kid: u32 = fs::read_to_string(&kid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    unsafe { libc::kill(kid as i32, libc::SIGSTOP) };
+    wait_until("the child is stopped", || proc_state(kid) == Some('T'));
+    let reader = env.spawn(["exec", "--read", "app", "--", "true"]);
+    env.wait_for_waiter("app");
+    let text = stdout(&env.ok(["lock-status", "--why", &reader.pid().to_string()]));
+    let advice =
+        format!("waits for pid {kid} under it, which is stopped: continue it (kill -CONT {kid})");
+    assert!(text.contains(&advice), "{text}");
+    unsafe { libc::kill(kid as i32, libc::SIGKILL) };
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(code(&reader.finish()), Some(0));
 }
