@@ -920,7 +920,11 @@ pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path, writer_ahead: bool
     let r = Look::new(ctx).report(kind, &ctx.root.locks_rel(path), path);
     let me = |p: &Party| p.pid == Some(std::process::id()) && p.pid_space == PidSpace::Here;
     let holders: Vec<Party> = r.holders.into_iter().filter(|p| !me(p)).collect();
-    let held = phrase(&holders);
+    // Read and write are an image's: the store's and gc's locks are only held.
+    let held = match kind {
+        LockKind::Global => phrase_as("held by ", &holders),
+        _ => phrase(&holders),
+    };
     if !writer_ahead {
         return held;
     }

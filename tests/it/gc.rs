@@ -701,14 +701,13 @@ fn two_gcs_at_once_remove_only_down_to_the_budget() {
     assert_eq!(entry["waiters"][0]["pid"], second.pid(), "{entry}");
 
     fs::remove_file(&go).unwrap();
+    let pid = first.pid();
     let (one, two) = (first.finish(), second.finish());
     assert_eq!(code(&one), Some(0), "{}", show(&one));
     assert_eq!(code(&two), Some(0), "{}", show(&two));
     let said = stderr(&two);
-    assert!(
-        said.contains("waiting for the gc lock (another gc removes images)"),
-        "{said}"
-    );
+    let wait = format!("waiting for the gc lock (another gc removes images): held by pid {pid}");
+    assert!(said.contains(&wait), "{said}");
     let reports: Vec<serde_json::Value> = [&one, &two]
         .map(|o| serde_json::from_slice(&o.stdout).unwrap())
         .into();
