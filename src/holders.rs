@@ -637,7 +637,7 @@ impl<'c> Look<'c> {
     /// The local processes whose own fds hold the lock at `path`, where the table's entry
     /// `e` names one that no longer does: children of an exec that ended, which kept its lock.
     fn kept_by(&self, path: &Path, e: &Entry) -> Vec<Party> {
-        let Some(key) = self.key_of(path) else {
+        let Some(key) = self.key_of(path).filter(|_| ident::proc_is_ours()) else {
             return Vec::new();
         };
         // Every process's fds are read once per look, however many are kept.
@@ -948,7 +948,9 @@ pub enum Stopped {
 
 /// Whether local process `p` is stopped, and how.
 pub fn stopped(p: &Party) -> Option<Stopped> {
-    let pid = p.pid.filter(|_| p.pid_space == PidSpace::Here)?;
+    let pid = p
+        .pid
+        .filter(|_| p.pid_space == PidSpace::Here && ident::proc_is_ours())?;
     state_stopped(&ident::stat_fields(pid)?)
 }
 
@@ -967,9 +969,8 @@ fn state_stopped(fields: &str) -> Option<Stopped> {
 /// however long, and its pid is not the one shown. One pass over `/proc`: asked only for the end
 /// of a wait chain.
 pub fn stopped_below(p: &Party) -> Option<(u32, Stopped, bool)> {
-    let pid = p
-        .pid
-        .filter(|_| p.pid_space == PidSpace::Here && p.stowage == Some(true))?;
+    let here = p.pid_space == PidSpace::Here && p.stowage == Some(true);
+    let pid = p.pid.filter(|_| here && ident::proc_is_ours())?;
     let procs: Vec<(u32, u32, String)> = ident::numbered::<u32>("/proc")
         .ok()?
         .filter_map(|(child, _)| {

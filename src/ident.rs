@@ -190,6 +190,13 @@ pub fn runs_stowage(pid: u32) -> bool {
     matches!((theirs, ours), (Ok(a), Ok(b)) if a == b)
 }
 
+/// Whether `/proc` is our pid namespace's: else (`unshare --pid` without a `/proc` of its own)
+/// its pids number another namespace's processes, and nothing read there is of ours.
+pub fn proc_is_ours() -> bool {
+    let me = fs::read_link("/proc/self").ok();
+    me.and_then(|p| p.to_str()?.parse::<u32>().ok()) == Some(std::process::id())
+}
+
 /// Whether a process `pid` of this pid namespace exists (kill(2) with no signal: /proc may hide
 /// other users' processes). A zombie exists until reaped.
 pub fn process_exists(pid: u32) -> bool {

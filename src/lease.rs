@@ -538,6 +538,16 @@ impl Identity {
         self.this_boot() && self.pid_ns.is_some() && self.pid_ns == namespace("pid")
     }
 
+    /// Whether the owner's pid numbers a process as we do: same boot and pid namespace, whatever
+    /// its host name (a UTS namespace of its own changes that alone).
+    pub fn pid_numbered_as_ours(&self) -> bool {
+        let me = crate::ident::Me::current();
+        self.boot_id.is_some()
+            && self.boot_id == me.boot_id
+            && self.pid_ns.is_some()
+            && self.pid_ns == namespace("pid")
+    }
+
     pub fn this_boot(&self) -> bool {
         let me = crate::ident::Me::current();
         self.host == me.host && self.boot_id.is_some() && self.boot_id == me.boot_id

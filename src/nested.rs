@@ -189,7 +189,8 @@ fn ready(locks: &Path, rel: &str) -> bool {
 /// tell). Elsewhere (a container in another pid namespace inside the exec, another host) the
 /// environment's word is all we have.
 fn encloses(name: &str, id: &Identity, chain: &[u32]) -> bool {
-    !id.pid_is_ours() || (id.pid.is_some_and(|p| chain[1..].contains(&p)) && owns(name, id))
+    !id.pid_numbered_as_ours()
+        || (id.pid.is_some_and(|p| chain[1..].contains(&p)) && owns(name, id))
 }
 
 fn held(id: Identity) -> impl Iterator<Item = Holding> {
@@ -218,7 +219,9 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         .iter()
         .filter(|n| !crate::lease::is_mine(n))
         .filter_map(|n| Some((n, crate::lease::identity(leases, n)?)))
-        .filter(|(_, id)| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
+        .filter(|(_, id)| {
+            id.pid_numbered_as_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p))
+        })
         // Its owner, not a later user of its pid (a lease outlives its owner: dead until a look
         // cleans it, or kept alive by the owner's command): the owner has its lease open.
         .filter(|(n, id)| owns(n, id))

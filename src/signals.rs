@@ -297,8 +297,11 @@ pub fn pass_on(pid: libc::pid_t, sig: i32, code: i32, our_pgid: libc::pid_t, we_
 pub fn end_or_note(pid: libc::pid_t, sig: i32) {
     // SAFETY: plain kill(2) of a process of ours (an unreaped child, or one of the keeper's tree).
     unsafe { libc::kill(pid, sig) };
-    let stopped =
-        || crate::ident::stat_fields(pid).is_some_and(|f| f.trim_start().starts_with('T'));
+    // A `/proc` of another pid namespace cannot tell: continued, lest it keep its locks.
+    let stopped = || {
+        !crate::ident::proc_is_ours()
+            || crate::ident::stat_fields(pid).is_some_and(|f| f.trim_start().starts_with('T'))
+    };
     if ends_the_command(sig) && stopped() {
         // SAFETY: as above.
         unsafe { libc::kill(pid, libc::SIGCONT) };

@@ -2329,6 +2329,56 @@ fn a_restored_environment_names_no_enclosing_exec_unless_its_owner_is_an_ancesto
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
 
+/// The same restored environment, used from a UTS namespace of its own (another host name, the
+/// same boot and pid namespace: the lease's pid still numbers a process as ours): no enclosing exec
+/// either. Before, the other host name made the environment's word stand, and a read of an image
+/// held for an exclusive read ran "under" it with no lock, beside the writer that came next.
+#[test]
+fn a_restored_environment_in_a_uts_namespace_of_its_own_names_no_enclosing_exec() {
+    if !root_or_skip("a UTS namespace (unshare --uts)") || !tool_or_skip("unshare", "util-linux") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let saved = env.sentinel("saved");
+    let holder = env.start_sh(&["--read-exclusive", "base"], |started| {
+        format!(
+            "printf %s \"$STOWAGE_EXEC_LEASES\" > '{saved}'; touch '{started}'; \
+             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            saved = saved.display(),
+            started = started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
+    let leaked = fs::read_to_string(&saved).unwrap();
+    let mut c = Command::new("unshare");
+    c.args([
+        "--uts",
+        "sh",
+        "-c",
+        "hostname elsewhere && exec \"$@\"",
+        "sh",
+        bin(),
+    ]);
+    c.args(["--root".as_ref(), env.root.as_os_str()]);
+    c.args(["exec", "--read", "base", "--no-wait", "--", "true"]);
+    c.env(stowage::env::EXEC_LEASES, &leaked);
+    let out = output(c);
+    assert_eq!(
+        code(&out),
+        Some(75),
+        "ran under another's exclusive read: {}",
+        show(&out)
+    );
+    assert!(
+        stderr(&out).contains("held (exclusive read) by pid"),
+        "{}",
+        show(&out)
+    );
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+}
+
 /// A script that plants lease `planted.lease` naming the shell that runs it (pid, start, host,
 /// boot, namespaces) as a holder of `base`'s lock, then runs `then`.
 fn plant_lease(then: &str) -> String {

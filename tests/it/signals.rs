@@ -1166,6 +1166,42 @@ fn a_running_command_gets_no_sigcont_after_a_forwarded_signal() {
     }
 }
 
+/// In a pid namespace without a `/proc` of its own (`unshare --pid --fork`), `/proc` numbers the
+/// host's processes: a stopped command cannot be seen as one there, so a termination signal is
+/// followed by SIGCONT all the same, and the command ends, in both modes. Before, the host's pid
+/// of the same number was asked, never stopped: the command kept its lock for good.
+#[test]
+fn a_stopped_command_ends_on_a_termination_signal_in_a_pid_namespace_without_its_own_proc() {
+    if !root_or_skip("a pid namespace (unshare --pid)") || !tool_or_skip("unshare", "util-linux") {
+        return;
+    }
+    for mode in [&[][..], &["--no-inherit"][..]] {
+        let env = Env::new();
+        env.make_image("app");
+        let marker = env.sentinel("stopped-here");
+        let script = format!("kill -STOP $$; touch '{}'", marker.display());
+        let mut c = Command::new("unshare");
+        c.args(["--pid", "--fork", bin(), "--root"]).arg(&env.root);
+        c.arg("exec")
+            .args(mode)
+            .args(["--write", "app", "--", "sh", "-c", &script]);
+        let bg = Bg::from_command(c);
+        let stopped = || {
+            let mine = processes_mentioning(&marker.display().to_string());
+            mine.into_iter().find(|&p| proc_state(p) == Some('T'))
+        };
+        wait_until("the command is stopped", || stopped().is_some());
+        let holder = env.lock_entry("app").unwrap()["holders"][0]["pid"]
+            .as_u64()
+            .unwrap();
+        unsafe { libc::kill(holder as i32, libc::SIGTERM) };
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(143), "{mode:?}: {}", show(&out));
+        assert!(!marker.exists(), "{mode:?}: the command went on");
+        assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    }
+}
+
 // --- signals from a terminal ------------------------------------------------
 
 /// A pseudo-terminal whose slave is the controlling terminal of a new
