@@ -2287,6 +2287,22 @@ fn a_live_lease_naming_an_ancestor_that_does_not_hold_it_names_no_enclosing_exec
     assert!(!err.contains("never end"), "{err}");
 }
 
+/// An exec taking `locks` whose command saves its `STOWAGE_EXEC_LEASES` (as `export -p` would) and
+/// waits for sentinel `release`; with what it saved.
+fn holder_saving_its_environment(env: &Env, locks: &[&str]) -> (Bg, String) {
+    let saved = env.sentinel("saved");
+    let holder = env.start_sh(locks, |started| {
+        format!(
+            "printf %s \"$STOWAGE_EXEC_LEASES\" > '{saved}'; touch '{started}'; \
+             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            saved = saved.display(),
+            started = started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
+    (holder, fs::read_to_string(&saved).unwrap())
+}
+
 /// An environment saved under an exec (`export -p`, as CI steps do) and restored by a process the
 /// exec does not run names a live lease whose owner is no ancestor of that process: it encloses
 /// nothing. A full slot class is not worked under (two commands under a limit of 1), and a write
@@ -2296,17 +2312,8 @@ fn a_restored_environment_names_no_enclosing_exec_unless_its_owner_is_an_ancesto
     let env = Env::new();
     env.make_image("base");
     env.ok(["slots", "set", "pull", "1"]);
-    let saved = env.sentinel("saved");
-    let holder = env.start_sh(&["--slot", "pull", "--read", "base"], |started| {
-        format!(
-            "printf %s \"$STOWAGE_EXEC_LEASES\" > '{saved}'; touch '{started}'; \
-             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
-            saved = saved.display(),
-            started = started.display(),
-            r = env.sentinel("release").display()
-        )
-    });
-    let leaked = fs::read_to_string(&saved).unwrap();
+    let (holder, leaked) =
+        holder_saving_its_environment(&env, &["--slot", "pull", "--read", "base"]);
     assert!(leaked.ends_with(".lease"), "{leaked:?}");
     let restored = |args: &[&str]| {
         let mut c = env.cmd(args);
@@ -2340,17 +2347,7 @@ fn a_restored_environment_in_a_uts_namespace_of_its_own_names_no_enclosing_exec(
     }
     let env = Env::new();
     env.make_image("base");
-    let saved = env.sentinel("saved");
-    let holder = env.start_sh(&["--read-exclusive", "base"], |started| {
-        format!(
-            "printf %s \"$STOWAGE_EXEC_LEASES\" > '{saved}'; touch '{started}'; \
-             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
-            saved = saved.display(),
-            started = started.display(),
-            r = env.sentinel("release").display()
-        )
-    });
-    let leaked = fs::read_to_string(&saved).unwrap();
+    let (holder, leaked) = holder_saving_its_environment(&env, &["--read-exclusive", "base"]);
     let mut c = Command::new("unshare");
     c.args([
         "--uts",
