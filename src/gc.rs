@@ -403,10 +403,18 @@ fn deleting(seen: &crate::image_record::Seen) -> bool {
 /// Whether image `name`, whose lock at `path` is busy, is being removed: its record (read without
 /// the lock, as a reader's look does) says `deleting`, or it is gone already.
 fn being_removed(path: &std::path::Path, name: &ImageName) -> bool {
+    record_says_deleting(path, name).unwrap_or(true)
+}
+
+/// Whether the record in image `name`'s lock file at `path`, read without its lock, says
+/// `deleting` (`false` where it cannot be read); `None` if the file is gone.
+fn record_says_deleting(path: &std::path::Path, name: &ImageName) -> Option<bool> {
     match lock::open_existing_read(path) {
-        Ok(Some(f)) => crate::image_record::read_of(&f, name.as_str()).is_ok_and(|s| deleting(&s)),
-        Ok(None) => true,
-        Err(_) => false,
+        Ok(Some(f)) => {
+            Some(crate::image_record::read_of(&f, name.as_str()).is_ok_and(|s| deleting(&s)))
+        }
+        Ok(None) => None,
+        Err(_) => Some(false),
     }
 }
 
@@ -452,12 +460,7 @@ fn underway(ctx: &Ctx, name: &ImageName) -> Option<bool> {
         _ => false,
     };
     // Finished meanwhile: its lock file gone, or its record no longer `deleting`.
-    let still = lock::open_existing_read(&path)
-        .ok()
-        .flatten()
-        .and_then(|f| crate::image_record::read_of(&f, name.as_str()).ok())
-        .is_some_and(|seen| deleting(&seen));
-    still.then_some(live)
+    (record_says_deleting(&path, name) == Some(true)).then_some(live)
 }
 
 /// An image's lock taken exclusively without waiting (`None`: busy), its record read under it.

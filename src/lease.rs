@@ -535,7 +535,7 @@ impl Identity {
 
     /// Whether the owner's pid means the same process to us: same host, boot and pid namespace.
     pub fn pid_is_ours(&self) -> bool {
-        self.this_boot() && self.pid_ns.is_some() && self.pid_ns == namespace("pid")
+        self.host == crate::ident::Me::current().host && self.pid_numbered_as_ours()
     }
 
     /// Whether the owner's pid numbers a process as we do: same boot and pid namespace, whatever
