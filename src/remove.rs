@@ -230,10 +230,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         let shown = tree.display();
         return Taken::Refused(anyhow::anyhow!("{shown} is {what}, not an image tree"));
     }
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let (now, nonce) = (clock::now_ms(), crate::ident::nonce());
-    let (seq, short) = (SEQ.fetch_add(1, Ordering::Relaxed), enc.chars().take(100));
-    let dest = format!("{now}.{nonce:016x}.{seq}.{}", short.collect::<String>());
+    let dest = trash_entry_name(root, enc);
     match images.rename_to(enc, trash, &dest) {
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
@@ -262,6 +259,32 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
             Taken::Refused(anyhow::Error::new(e).context(format!("cannot move {from} to {to}")))
         }
     }
+}
+
+/// A fresh trash entry name for the tree `enc`: `LEASE+MS.SEQ.NAME`, our lease first (made now if
+/// not yet), so that while it is alive nobody else takes the entry for a leftover; `MS.NONCE.SEQ.NAME`
+/// where no lease can be made (then it is a leftover to anyone, as a crashed removal's).
+fn trash_entry_name(root: &Root, enc: &str) -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let (now, seq) = (clock::now_ms(), SEQ.fetch_add(1, Ordering::Relaxed));
+    // Names are ASCII; 80 of them keep the whole within NAME_MAX beside a lease's name.
+    let short = &enc[..enc.len().min(80)];
+    match crate::lease::introduce(&root.leases()) {
+        Ok(lease) => format!("{lease}{OWNER_END}{now}.{seq}.{short}"),
+        Err(_) => format!("{now}.{:016x}.{seq}.{short}", crate::ident::nonce()),
+    }
+}
+
+/// Ends a trash entry's owner part: image names never hold it, lease names neither.
+const OWNER_END: char = '+';
+
+/// Whether trash entry `entry` is being deleted by another live remover (named first in it); ours
+/// (a removal we finished) are ours to delete.
+fn removal_underway(root: &Root, entry: &OsStr) -> bool {
+    let owner = entry.to_str().and_then(|e| e.split_once(OWNER_END));
+    owner.is_some_and(|(lease, _)| {
+        !crate::lease::is_mine(lease) && crate::lease::alive(&root.leases(), lease).unwrap_or(false)
+    })
 }
 
 /// Whether the trash opened as `trash` is still there: a rename into it found nothing to move.
@@ -302,6 +325,8 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
 pub struct Trash {
     pub entries: Vec<PathBuf>,
     pub bytes: u64,
+    /// Entries their live removers are deleting now: no leftovers, left to them.
+    pub underway: usize,
     /// What could not be deleted, one line each.
     pub failed: Vec<String>,
 }
@@ -331,6 +356,10 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     }
     let names = trash.names();
     for entry in names.with_context(|| format!("cannot list {}", root.trash().display()))? {
+        if removal_underway(root, &entry) {
+            out.underway += 1;
+            continue;
+        }
         let path = root.trash().join(&entry);
         let bytes = disk_usage::freed_by_deleting(&path).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {

@@ -926,6 +926,10 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .by_repair()
             .swept("trash", repair.then_some("deleted"), Problem, what);
     }
+    if trash.underway > 0 {
+        let what = format!("{} being deleted by running removals", trash.underway);
+        report.add("trash", Info, what);
+    }
     // On a filesystem where lock files are never unlinked, empty ones are no leftovers.
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
         let empty: Vec<Entry> = crate::census::take(&root)?

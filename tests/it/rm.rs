@@ -681,3 +681,40 @@ fn a_filesystem_mounted_on_the_trash_is_never_emptied() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "app", "--", "true"]);
 }
+
+/// A tree a live removal is deleting from the trash is its remover's: doctor
+/// notes it and is healthy, and neither `doctor --repair` nor gc deletes it
+/// beside the remover or counts it as freed (before: doctor called it a
+/// problem, and both deleted it). Once the remover is killed, it is a
+/// leftover, and gc deletes it.
+#[test]
+fn a_live_removals_trash_entry_is_left_to_it() {
+    let env = Env::new();
+    env.make_image("app");
+    let (rm, pause) = env.paused(["rm", "app"], "rm-moved");
+    let entries = || fs::read_dir(env.root.join("trash")).unwrap().count();
+    assert_eq!(entries(), 1);
+    let out = env.ok(["doctor"]);
+    assert!(
+        stdout(&out).contains("1 being deleted by running removals"),
+        "{}",
+        show(&out)
+    );
+    env.ok(["doctor", "--repair"]);
+    let out = env.ok(["gc", "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(report["bytes_freed"], 0, "{}", show(&out));
+    assert_eq!(entries(), 1, "the remover's entry was left to it");
+    fs::remove_file(&pause).unwrap();
+    let out = rm.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(entries(), 0);
+
+    env.make_image("app");
+    let (rm, _) = env.paused(["rm", "app"], "rm-moved");
+    rm.kill_all();
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("1 left in"), "{}", show(&out));
+    env.ok(["gc"]);
+    assert_eq!(entries(), 0, "a dead remover's entry is a leftover");
+}
