@@ -275,7 +275,8 @@ fn trash_entry_name(root: &Root, enc: &str) -> String {
     }
 }
 
-/// Ends a trash entry's owner part: image names never hold it, lease names neither.
+/// Ends a trash entry's owner part: lease names never hold it, so the first one does (an encoded
+/// image name may: `a:b` is `a+b`; the older naming's owner part then names no lease).
 const OWNER_END: char = '+';
 
 /// Whether trash entry `entry` is being deleted by another live remover (named first in it); ours

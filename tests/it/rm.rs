@@ -690,8 +690,9 @@ fn a_filesystem_mounted_on_the_trash_is_never_emptied() {
 #[test]
 fn a_live_removals_trash_entry_is_left_to_it() {
     let env = Env::new();
-    env.make_image("app");
-    let (rm, pause) = env.paused(["rm", "app"], "rm-moved");
+    // A tag's ':' is a '+' in its encoded name, as in the entry's owner part.
+    env.make_image("app:1.0");
+    let (rm, pause) = env.paused(["rm", "app:1.0"], "rm-moved");
     let entries = || fs::read_dir(env.root.join("trash")).unwrap().count();
     assert_eq!(entries(), 1);
     let out = env.ok(["doctor"]);
