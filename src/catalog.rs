@@ -536,6 +536,8 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let id = || conn.query_row("PRAGMA application_id", [], |r| r.get::<_, i64>(0));
     let why = if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         "in a store already past it"
+    } else if root.own_use_recorded() {
+        "in a store already past it (its images have records of this release's use)"
     // Nothing stated in the global lock file is no evidence that it is ours.
     } else if Some(id()? as u32) != root.older_release_catalog_id() {
         "not this store's (the global lock file does not name it)"

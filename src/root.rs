@@ -34,7 +34,15 @@ pub struct Root {
 /// The layout's paths, each `ROOT/REL`.
 macro_rules! layout_paths {
     ($($(#[$doc:meta])* $name:ident => $rel:literal,)*) => {
-        impl Root {
+        /// What the image lock files tell of the release that used a store last ([`Root::records_tell`]).
+enum Told {
+    OwnUse,
+    /// An older release's tokens, and no record of this release's own use.
+    Tokens,
+    Nothing,
+}
+
+impl Root {
             $($(#[$doc])* pub fn $name(&self) -> PathBuf {
                 self.dir.join($rel)
             })*
@@ -601,19 +609,32 @@ impl Root {
         Ok(())
     }
 
-    /// Whether the store is a release's before records, still to migrate (its catalog aside): that
-    /// release's statement in the global lock file (emptied only once migrated); or its tokens in
-    /// image lock files, enabled or disabled beside a record a migration wrote (one begun stays to
-    /// finish), with no record of this release's own use (a token put here makes no old store).
+    /// Whether the store is a release's before records, still to migrate (its catalog aside): no
+    /// record of this release's own use in any image lock file (a store used since is past it,
+    /// whatever was put back beside), and that release's statement in the global lock file
+    /// (emptied only once migrated), or its tokens, enabled or disabled beside a record a migration
+    /// wrote (one begun stays to finish; a token put here alone makes no old store).
     pub fn older_release_left(&self) -> bool {
-        use crate::image_record::SlotA;
-        if self.older_release_catalog_id().is_some() {
-            return true;
+        match self.records_tell() {
+            Told::OwnUse => false,
+            Told::Tokens => true,
+            Told::Nothing => self.older_release_catalog_id().is_some(),
         }
+    }
+
+    /// Whether an image lock file holds a record of this release's own use (not a migration's,
+    /// which has that release's bytes beside it): the store is past any migration.
+    pub fn own_use_recorded(&self) -> bool {
+        matches!(self.records_tell(), Told::OwnUse)
+    }
+
+    /// What the image lock files tell of the release that used the store last.
+    fn records_tell(&self) -> Told {
+        use crate::image_record::SlotA;
         let Ok(locks) = Dir::open_in_root(&self.image_locks()) else {
-            return false;
+            return Told::Nothing;
         };
-        let mut token = false;
+        let mut told = Told::Nothing;
         for name in locks.names().unwrap_or_default() {
             if !name.to_str().is_some_and(|n| n.ends_with(".lock")) {
                 continue;
@@ -626,12 +647,12 @@ impl Root {
                 continue;
             };
             match (seen.record.is_some(), a) {
-                (true, SlotA::Ours) => return false,
-                (_, SlotA::Token) | (true, SlotA::Disabled) => token = true,
+                (true, SlotA::Ours) => return Told::OwnUse,
+                (_, SlotA::Token) | (true, SlotA::Disabled) => told = Told::Tokens,
                 _ => {}
             }
         }
-        token
+        told
     }
 
     /// The catalog identity a release before records stated in the global lock file (`db=HEX`),

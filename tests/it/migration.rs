@@ -1239,3 +1239,45 @@ fn an_old_stores_slot_files_of_any_length_keep_their_class() {
         "{classes}"
     );
 }
+
+/// The older release's catalog and its statement in the global lock file
+/// put back from a copy taken before the migration (the configuration lost,
+/// as a restore of those files leaves it) make no second migration once an
+/// image has a record of this release's own use: no record is rewritten from
+/// the stale rows, so an image rebuilt since stays ready and gc keeps it; the
+/// catalog is set aside and made anew (before: `failed` went back to
+/// "incomplete, its writer failed or died", and gc removed it).
+#[test]
+fn older_metadata_put_back_after_the_migration_changes_no_image() {
+    let env = old_store();
+    let backup = env.tmp.path().join("backup");
+    fs::create_dir(&backup).unwrap();
+    for f in ["stowage.db", "locks/global.lock"] {
+        fs::copy(env.root.join(f), backup.join(f.replace("locks/", ""))).unwrap();
+    }
+    env.ok(["images"]);
+    env.ok(["exec", "--write", "failed", "--", "true"]);
+    let before = states(&env);
+    assert!(before.contains(&st("failed", "ready", None)), "{before:?}");
+    for f in ["stowage.db", "locks/global.lock"] {
+        fs::copy(backup.join(f.replace("locks/", "")), env.root.join(f)).unwrap();
+    }
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    let out = env.run(["doctor"]);
+    assert!(
+        stdout(&out).contains("in a store already past it"),
+        "{}",
+        show(&out)
+    );
+    let out = env.ok(["images"]);
+    assert!(!stderr(&out).contains("migrating"), "{}", show(&out));
+    assert_eq!(states(&env), before);
+    env.ok(["doctor", "--repair"]);
+    env.ok(["gc"]);
+    let ready: Vec<_> = before.into_iter().filter(|s| s.1 == "ready").collect();
+    assert_eq!(
+        states(&env),
+        ready,
+        "gc removed what failed before, and no more"
+    );
+}
