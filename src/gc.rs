@@ -143,6 +143,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // Kept and reported, but counted: they take room in the images directory.
     let unlisted = crate::survey::unlisted(store.root(), &rows);
     rows.retain(|i| i.state != State::Deleting);
+    let elsewhere = take_elsewhere(store.root(), &config, &mut rows);
     let cutoff = cutoff(policy);
     // An image that goes for a reason of its own counts what its removal frees (module doc).
     let going = rows
@@ -152,6 +153,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let mut budget = Budget::new(store, &rows, &unlisted, shares, going)?;
     (report.size_before, report.measured) = (budget.total, true);
     report.unknown = unknown(&rows, &unlisted);
+    report.unknown.extend(elsewhere);
     crate::debug::pause("gc-listed");
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
@@ -213,6 +215,28 @@ fn take_gc_lock(store: &Store) -> Result<lock::Guard> {
     };
     crate::lease::note(&root.leases(), hold(false));
     Ok(guard)
+}
+
+/// Takes out of `rows` the images whose records name another images directory than the store's
+/// (nothing there is ours to remove): kept, and said.
+fn take_elsewhere(
+    root: &crate::root::Root,
+    config: &crate::config::Config,
+    rows: &mut Vec<Image>,
+) -> Vec<String> {
+    let (elsewhere, ours) = std::mem::take(rows)
+        .into_iter()
+        .partition(|r: &Image| r.record.images != config.images);
+    *rows = ours;
+    let said = |r: &Image| {
+        let theirs = r.record.images.path_in(root.dir());
+        let theirs = theirs.display();
+        format!(
+            "{}: its record names images directory {theirs}, not the store's",
+            r.name()
+        )
+    };
+    elsewhere.iter().map(said).collect()
 }
 
 /// The images whose state cannot be known, kept and said: a record that cannot be read, a tree

@@ -61,6 +61,13 @@ pub fn has_records(root: &Root) -> Result<bool> {
         .any(|e| e.seen.record.is_some()))
 }
 
+/// The images directory `record` names where it is not the store's (an image whose tree is not ours
+/// to touch: `rm` drops its record alone, gc keeps it).
+pub fn named_elsewhere(root: &Root, record: &Record) -> Result<Option<PathBuf>> {
+    let config = config(root)?;
+    Ok((config.images != record.images).then(|| record.images.path_in(root.dir())))
+}
+
 /// Where the tree of the image `record` describes lives, refused unless the configuration agrees.
 pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     let config = config(root)?;

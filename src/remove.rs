@@ -39,6 +39,8 @@ pub struct Removed {
     pub left_in_trash: Option<String>,
     /// Why its emptied lock file (which names no image) could not be unlinked.
     pub lock_file_left: Option<String>,
+    /// Its record named another images directory than the store's: the tree there is left.
+    pub tree_left: Option<String>,
 }
 
 /// How taking one tree out of the images directory went.
@@ -67,6 +69,9 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         return Err(crate::Error::NoSuchImage(held.name.as_str().to_owned()).into());
     };
     let state = before.state_seen(false);
+    if let Some(theirs) = crate::images_dir::named_elsewhere(root, &before)? {
+        return drop_record_only(root, held, state, theirs);
+    }
     let (images, tree) = images_dir_of(root, &held.name, &before)?;
     let trash = root.open_trash()?;
     let mut bytes = size.or_else(|| disk_usage::freed_by_deleting(&tree).ok());
@@ -113,6 +118,29 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         bytes,
         left_in_trash,
         lock_file_left,
+        tree_left: None,
+    })
+}
+
+/// Removes the record of an image `held` whose record names images directory `theirs`, not the
+/// store's: nothing there is ours to delete, so its tree, if any, stays where it is.
+fn drop_record_only(root: &Root, held: Held, state: State, theirs: PathBuf) -> Result<Removed> {
+    let name = held.name.clone();
+    crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
+    let lock_file_left = root
+        .drop_record(&name, held.guard)
+        .with_context(|| format!("cannot remove the record of image '{name}'"))?
+        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left: {why}"));
+    let theirs = theirs.display();
+    Ok(Removed {
+        name: name.as_str().to_owned(),
+        state,
+        bytes: Some(0),
+        left_in_trash: None,
+        lock_file_left,
+        tree_left: Some(format!(
+            "the record of image '{name}' named images directory {theirs}, not the store's: its tree there, if any, is left as it is"
+        )),
     })
 }
 

@@ -74,7 +74,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         let (name, state) = (&r.name, r.state.as_str());
         ctx.say(&format!("removed '{name}' ({state}, {size})"));
     }
-    for why in removed.iter().filter_map(|r| r.lock_file_left.as_deref()) {
+    let left = removed.iter().filter_map(|r| r.tree_left.as_deref());
+    for why in left.chain(removed.iter().filter_map(|r| r.lock_file_left.as_deref())) {
         complain!("stowage: {why}");
     }
     // The images are gone; space that could not be freed is a failure.

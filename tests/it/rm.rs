@@ -719,3 +719,54 @@ fn a_live_removals_trash_entry_is_left_to_it() {
     env.ok(["gc"]);
     assert_eq!(entries(), 0, "a dead remover's entry is a leftover");
 }
+
+/// An image whose record names another images directory than the store's:
+/// nothing there is the store's to delete. gc (and its dry run alike) keeps
+/// it and says why, exiting 0; `rm` — what doctor advises — drops its record
+/// alone and leaves the tree there (before: rm and gc refused, exit 1, gc on
+/// every run, while the dry run said it would remove it).
+#[test]
+fn a_record_naming_another_images_directory_is_dropped_by_rm_alone() {
+    use stowage::image_record::{self, ImagesDir};
+    let env = Env::new();
+    env.make_image("keep");
+    let out = env.run(["exec", "--write", "bad", "--", "false"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let elsewhere = env.tmp.path().join("elsewhere");
+    fs::create_dir_all(elsewhere.join("bad")).unwrap();
+    fs::write(elsewhere.join("bad/precious"), "precious").unwrap();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(env.lock_file("bad"))
+        .unwrap();
+    let mut seen = image_record::read(&f).unwrap();
+    let mut record = seen.record.clone().unwrap();
+    record.images = ImagesDir::External(elsewhere.clone());
+    image_record::write(&f, &mut seen, &record).unwrap();
+    drop(f);
+    for dry in [true, false] {
+        let mut c = env.cmd(["gc", "--json"]);
+        c.args(dry.then_some("--dry-run"));
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "dry run {dry}: {}", show(&out));
+        assert!(
+            stdout(&out).contains("its record names images directory"),
+            "dry run {dry}: {}",
+            show(&out)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["removed"], serde_json::json!([]), "dry run {dry}");
+    }
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("'stowage rm'"), "{}", show(&out));
+    let out = env.ok(["rm", "bad"]);
+    assert!(stderr(&out).contains("is left as it is"), "{}", show(&out));
+    assert_eq!(env.state("bad"), None);
+    assert_eq!(
+        fs::read_to_string(elsewhere.join("bad/precious")).unwrap(),
+        "precious"
+    );
+    assert_eq!(env.state("keep").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
+}
