@@ -81,9 +81,10 @@ impl Root {
         let default = named.is_none();
         let dir = named
             .unwrap_or_else(|| format!("/var/tmp/{}.stowage", crate::ident::user_name()).into());
+        let absolute = std::path::absolute(&dir)
+            .with_context(|| format!("cannot resolve root {}", dir.display()))?;
         Ok(Root {
-            dir: std::path::absolute(&dir)
-                .with_context(|| format!("cannot resolve root {}", dir.display()))?,
+            dir: as_named(&absolute),
             default,
             ..Default::default()
         })
@@ -930,6 +931,13 @@ pub fn in_use_by_a_store(dir: &Dir) -> Option<String> {
         .root
         .is_some_and(|r| crate::dir::same_identity(&r, &here));
     itself.then(|| "a store's root".to_owned())
+}
+
+/// `dir` as named, without trailing separators or `.` components (`link/`, `link/.`, `link//` are
+/// `link`): every call on `link/` follows the link, so a symlink would pass for the directory it
+/// names, and its owner and kind would never be checked.
+pub fn as_named(dir: &Path) -> PathBuf {
+    dir.components().collect()
 }
 
 /// The real path of `dir`, not itself a symlink: its parent's and its name (no readlink of the

@@ -32,7 +32,9 @@ pub struct Args {
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     crate::migrate::if_needed(store, None)?;
     let resolve = |d: &PathBuf| {
-        std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))
+        let absolute = std::path::absolute(d);
+        let absolute = absolute.with_context(|| format!("cannot resolve {}", d.display()))?;
+        anyhow::Ok(crate::root::as_named(&absolute))
     };
     let wanted = args.images_dir.as_ref().map(resolve).transpose()?;
     if let Some(dir) = &wanted {
