@@ -225,7 +225,8 @@ pub fn refusal_by(theirs: &Claim, path: &Path, id: &str, root: &str) -> Option<S
             "images directory {} belongs to the store at {} ({}): one store per images directory; gone for good (not moved)? 'setfattr -x user.stowage.store {}'",
             path.display(),
             theirs.path.display(),
-            if copy { "copied to this one" } else { "another store" },
+            // Either may be the copy: each root records itself once `init --images-dir` named it.
+            if copy { "this store's id: one of the two is a copy of the other" } else { "another store" },
             crate::ident::shell_path(path)
         )
     })

@@ -123,7 +123,11 @@ impl ImagesDir {
     pub(crate) fn decode(s: &str) -> Option<ImagesDir> {
         match s {
             "default" => Some(ImagesDir::Default),
-            _ if s.starts_with('/') => Some(ImagesDir::External(PathBuf::from(s))),
+            // As named, without a trailing `/` (`root::as_named`): opened without following a
+            // link, it is then checked itself.
+            _ if s.starts_with('/') => {
+                Some(ImagesDir::External(Path::new(s).components().collect()))
+            }
             _ => None,
         }
     }

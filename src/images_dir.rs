@@ -167,6 +167,12 @@ fn not_this_stores(
     }
     // Read only now, without a claim of ours: one found spares the store's every use a look.
     let loaded = config.is_none().then(|| self::config(root).ok()).flatten();
+    if let Some(why) = config
+        .or(loaded.as_ref())
+        .and_then(|c| a_copys(c, dir, &here))
+    {
+        return Some(why);
+    }
     if let Some(c) = config.or(loaded.as_ref())
         && let Some(recorded) = c.identity.as_deref()
         && let Some(now) = now()
@@ -175,6 +181,23 @@ fn not_this_stores(
         return Some(not_recorded(dir, &now, recorded));
     }
     (!no_xattrs && others_may_write_config(root)).then(|| unclaimed(dir))
+}
+
+/// Why a root of identity `here` that `config` does not record (a copy of the store, or one moved
+/// to another filesystem) may not use the external directory `dir` without a claim of its own: its
+/// locks are not the original's, which may use the directory still. Only `init --images-dir`
+/// naming it makes it this root's.
+fn a_copys(config: &Config, dir: &Path, here: &str) -> Option<String> {
+    let recorded = config.root.as_deref()?;
+    (!crate::dir::same_identity(recorded, here)).then(|| {
+        let (at, shown) = (dir.display(), crate::ident::shell_path(dir));
+        let why = format!(
+            "images directory {at} is not marked as this store's, and this root is not the one its store.conf records (a copy, or moved to another filesystem)"
+        );
+        format!(
+            "{why}: its locks are not the original's; a copy needs images of its own; one whose original is gone takes it by 'stowage init --images-dir {shown}'"
+        )
+    })
 }
 
 /// An images directory we may not read (`e`): whose it is, and in a group store who gives it the
@@ -301,10 +324,12 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
         return Ok(true);
     }
     let external = config.images != ImagesDir::Default;
-    // Another directory at the recorded path is claimed only if named (`init --images-dir`).
+    // Another directory at the recorded path, or the original's seen from a copy of the store, is
+    // claimed only if named (`init --images-dir`).
     if external
         && !named
-        && let Some(why) = refused_for_new(config, images, &dir)
+        && let Some(why) =
+            refused_for_new(config, images, &dir).or_else(|| a_copys(config, &dir, &mine.root))
     {
         anyhow::bail!("{why}");
     }

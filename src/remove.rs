@@ -379,7 +379,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         Err(_) if root.trash().symlink_metadata().is_err() => return Ok(out),
         Err(e) => return Err(e),
     };
-    if let Err(e) = root.refuse_other_mount(&trash, &root.trash()) {
+    if let Err(e) = root.check_trash(&trash) {
         out.failed.push(format!("{e:#}"));
         return Ok(out);
     }

@@ -89,9 +89,10 @@ impl Root {
         let default = named.is_none();
         let dir = named
             .unwrap_or_else(|| format!("/var/tmp/{}.stowage", crate::ident::user_name()).into());
+        let absolute = std::path::absolute(&dir)
+            .with_context(|| format!("cannot resolve root {}", dir.display()))?;
         Ok(Root {
-            dir: std::path::absolute(&dir)
-                .with_context(|| format!("cannot resolve root {}", dir.display()))?,
+            dir: as_named(&absolute),
             default,
             ..Default::default()
         })
@@ -173,18 +174,13 @@ impl Root {
     /// The root holds no store: what it holds that no store's making puts there, if anything
     /// (another maker's half-made layout is no reason to refuse).
     fn no_store(&self) -> crate::Error {
-        let parts = Self::LAYOUT_DIRS.iter().chain(&Self::LAYOUT_FILES);
-        // The configuration is written under a temporary name first (`config.rs`).
-        let writing = format!(".{}.", crate::config::FILE);
         // A `locks` that is no directory is no part either, and named first: `init` refuses it.
         let foreign_locks = fs::symlink_metadata(self.dir.join("locks")).is_ok_and(|m| !m.is_dir());
         let held = fs::read_dir(&self.dir).ok().and_then(|entries| {
-            let name = entries.flatten().map(|e| e.file_name()).find(|n| {
-                let n = n.to_string_lossy();
-                !parts.clone().any(|p| *p == n)
-                    && n != "stowage.db-journal"
-                    && !n.starts_with(&writing)
-            });
+            let name = entries
+                .flatten()
+                .map(|e| e.file_name())
+                .find(|n| !Self::is_layout_part(&n.to_string_lossy()));
             let name = if foreign_locks { "locks".into() } else { name? };
             Some(crate::ident::printable(&name.to_string_lossy()).into_owned())
         });
@@ -288,12 +284,26 @@ impl Root {
         root.sub(name).map_err(|e| not_a_dir(&at, e))
     }
 
-    /// The trash, made if missing, refused unless on the root's own mount: a filesystem mounted on
-    /// its place is not the store's, and a removal's walk there would delete what it holds.
+    /// The trash, made if missing, refused unless it is the store's own ([`Root::check_trash`]).
     pub fn open_trash(&self) -> Result<Dir> {
         let trash = self.open_or_make_sub("trash")?;
-        self.refuse_other_mount(&trash, &self.trash())?;
+        self.check_trash(&trash)?;
         Ok(trash)
+    }
+
+    /// Refuses the trash opened as `trash` unless on the root's own mount (a filesystem mounted on
+    /// its place is not the store's) and used by no store (its images directory, as a release that
+    /// let `init` take it made it; or its root): a removal's walk there would delete what it holds.
+    pub fn check_trash(&self, trash: &Dir) -> Result<()> {
+        self.refuse_other_mount(trash, &self.trash())?;
+        if let Some(what) = in_use_by_a_store(trash) {
+            let at = self.trash();
+            anyhow::bail!(
+                "{} is {what}, not this store's trash: nothing in it is moved or deleted (give that store an images directory of its own)",
+                at.display()
+            );
+        }
+        Ok(())
     }
 
     /// Refuses `d` (the layout's directory at `path`) unless it is on the root's own mount (where
@@ -476,6 +486,15 @@ impl Root {
         "locks/store.lock",
     ];
 
+    /// Whether `name`, directly in a root, is a part of its layout: a directory or file of it, the
+    /// catalog's journal, or the configuration written under a temporary name (`config.rs`).
+    pub fn is_layout_part(name: &str) -> bool {
+        let mut parts = Self::LAYOUT_DIRS.iter().chain(&Self::LAYOUT_FILES);
+        parts.any(|p| p.split('/').next() == Some(name))
+            || name == "stowage.db-journal"
+            || name.starts_with(&format!(".{}.", crate::config::FILE))
+    }
+
     /// The image whose lock file (in `locks/images`) is `fname`, if any.
     pub fn image_of_lock_file(fname: &str) -> Option<ImageName> {
         ImageName::from_encoded(fname.strip_suffix(".lock")?).ok()
@@ -500,11 +519,11 @@ impl Root {
         let shown = self.dir.display();
         // Judged once: a maker racing us adds only a store's parts, which `no_store` passes.
         let store = self.holds_store();
-        // Not inside another's `img`, `trash` or `locks` (that store's gc would remove it, its init
+        // Neither at nor in a part of another's layout (that store's gc would remove it, its init
         // adopt it), nor in an images directory a store claims. Judged on the real path.
         if !store
             && let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir))
-            && let Some(why) = inside_another_store(&real, true)
+            && let Some(why) = inside_another_store(&real, true, &real)
         {
             anyhow::bail!("refusing {shown} as a root: {why}");
         }
@@ -907,24 +926,25 @@ impl Root {
 }
 
 /// Why a directory at the real path `real` lies where another store would take it for its own: in
-/// a store's `img`, `trash` or `locks`, or in a directory a store uses as its images directory
-/// (`real` itself too if `itself`). One walk up, for what is made once (a root, an images directory).
-pub fn inside_another_store(real: &Path, itself: bool) -> Option<String> {
+/// or at a part of a store's layout ([`Root::is_layout_part`]: its gc empties `trash`, its init
+/// adopts what is in `img`) other than the store at `ours`'s, or in a directory a store uses as its
+/// images directory (`real` itself too if `itself`). One walk up, for what is made once (a root, an
+/// images directory).
+pub fn inside_another_store(real: &Path, itself: bool, ours: &Path) -> Option<String> {
     let mut at = real;
-    if !itself {
-        at = at.parent()?;
-    }
     loop {
         let parent = at.parent()?;
         let part = at.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if ["img", "trash", "locks"].contains(&part) && Root::at(parent).has_layout() {
-            let store = parent.display();
+        if Root::is_layout_part(part) && parent != ours && Root::at(parent).has_layout() {
+            let (store, is) = (parent.display(), if at == real { "is" } else { "lies in" });
             return Some(format!(
-                "it lies in '{part}' of the store at {store}, which would take it for its own"
+                "it {is} '{part}' of the store at {store}, which would take it for its own"
             ));
         }
-        let opened = Dir::open_nofollow(at).ok();
-        let claim = opened.and_then(|d| crate::claim::read(&d).filter(|c| c.in_use_for(&d)));
+        let opened = (itself || at != real).then(|| Dir::open_nofollow(at).ok());
+        let claim = opened
+            .flatten()
+            .and_then(|d| crate::claim::read(&d).filter(|c| c.in_use_for(&d)));
         if let Some(c) = claim {
             let (dir, store) = (at.display(), c.path.display());
             return Some(format!(
@@ -951,6 +971,13 @@ pub fn in_use_by_a_store(dir: &Dir) -> Option<String> {
         .root
         .is_some_and(|r| crate::dir::same_identity(&r, &here));
     itself.then(|| "a store's root".to_owned())
+}
+
+/// `dir` as named, without trailing separators or `.` components (`link/`, `link/.`, `link//` are
+/// `link`): every call on `link/` follows the link, so a symlink would pass for the directory it
+/// names, and its owner and kind would never be checked.
+pub fn as_named(dir: &Path) -> PathBuf {
+    dir.components().collect()
 }
 
 /// The real path of `dir`, not itself a symlink: its parent's and its name (no readlink of the

@@ -32,7 +32,9 @@ pub struct Args {
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     crate::migrate::if_needed(store, None)?;
     let resolve = |d: &PathBuf| {
-        std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))
+        let absolute = std::path::absolute(d);
+        let absolute = absolute.with_context(|| format!("cannot resolve {}", d.display()))?;
+        anyhow::Ok(crate::root::as_named(&absolute))
     };
     let wanted = args.images_dir.as_ref().map(resolve).transpose()?;
     if let Some(dir) = &wanted {
@@ -51,7 +53,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_images_dir(root, dir)?;
         refuse_what_is_no_images_dir(dir, taken.is_some())?;
         refuse_another_stores(root, dir)?;
-        refuse_nesting(dir, taken.is_some())?;
+        refuse_nesting(root, dir, taken.is_some())?;
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
         refuse_what_is_no_images_dir(&dir, false)?;
     }
@@ -480,9 +482,11 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
 /// Refuses an images directory that lies in another store's (whose removals would delete this
 /// one's trees) or, with `contents`, holds one or a store's root (adopted as an image, gc would
 /// delete it): one store's images may not hold another's, whichever was made first.
-fn refuse_nesting(dir: &Path, contents: bool) -> Result<()> {
+fn refuse_nesting(root: &Root, dir: &Path, contents: bool) -> Result<()> {
     let shown = dir.display();
-    if let Some(why) = crate::root::inside_another_store(&resolved(dir), false) {
+    // The directory itself too, as a part of another store's layout (that store's gc empties its
+    // `trash`); a claim on it is `refuse_another_stores`' to judge.
+    if let Some(why) = crate::root::inside_another_store(&resolved(dir), false, root.dir()) {
         bail!("refusing {shown} as the images directory: {why}");
     }
     let listed = || crate::dir::Dir::open_nofollow(dir).and_then(|d| Ok((d.names()?, d)));

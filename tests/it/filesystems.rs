@@ -1080,7 +1080,7 @@ fn a_cloned_xfs_mounted_beside_its_original_is_a_copy_of_the_store() {
     let out = copy.run(["exec", "--write", "base", "--", "true"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(
-        stderr(&out).contains("copied to this one"),
+        stderr(&out).contains("a copy of the other"),
         "{}",
         show(&out)
     );

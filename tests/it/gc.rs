@@ -1315,3 +1315,29 @@ fn a_btrfs_subvolume_in_the_images_directory_is_a_tree() {
     env.ok(["doctor", "--repair"]);
     assert_eq!(env.state("sub").as_deref(), Some("incomplete"));
 }
+
+/// A store's `trash` that another store uses as its images directory (an
+/// older release let `init` take it) is not emptied: neither gc, rm nor a
+/// repair deletes or moves anything there.
+#[test]
+fn a_trash_another_store_uses_as_its_images_directory_is_left_alone() {
+    let env = Env::new();
+    env.make_image("mine");
+    let other = Env::new();
+    let ext = other.scratch.join("img");
+    fs::create_dir(&ext).unwrap();
+    other.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    other.build("precious", "echo keep > \"$STOWAGE_IMAGE_DIR/data\"");
+    // The other store's images directory put where this store's trash was, as it is (claim too).
+    fs::remove_dir(env.root.join("trash")).unwrap();
+    fs::rename(&ext, env.root.join("trash")).unwrap();
+    for args in [&["gc"][..], &["rm", "mine"], &["doctor", "--repair"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let said = format!("images directory of the store at {}", other.root.display());
+        assert!(show(&out).contains(&said), "{args:?}: {}", show(&out));
+    }
+    let data = env.root.join("trash/precious/data");
+    assert_eq!(fs::read_to_string(data).unwrap(), "keep\n");
+    assert!(env.root.join("img/mine").is_dir());
+}

@@ -678,6 +678,51 @@ fn your_own_symlink_as_the_root_of_an_existing_store_works() {
     assert!(real.join("r/img/b").is_dir());
 }
 
+/// A root given as a symlink is the same whichever way it is written:
+/// `link/`, `link/.` and `link//` name the link itself (its owner checked,
+/// then resolved once), never a path that leads to it again and is then
+/// refused as a symlink planted in the layout. An images directory given
+/// so is refused as the symlink it is, as without the slash.
+#[test]
+fn a_symlink_root_written_with_a_trailing_slash_is_the_symlink() {
+    let env = Env::new();
+    env.make_image("a");
+    let link = env.tmp.path().join("link");
+    symlink(&env.root, &link).unwrap();
+    let link = link.to_str().unwrap();
+    for spelled in [format!("{link}/"), format!("{link}/."), format!("{link}//")] {
+        for args in [
+            &["exec", "--read", "a", "--", "true"][..],
+            &["exec", "--write", "a", "--", "true"],
+            &["gc"],
+            &["doctor"],
+            &["doctor", "--repair"],
+        ] {
+            let by_flag = stowage_at(Path::new(&spelled), args);
+            let mut c = Command::new(bin());
+            c.args(args)
+                .env("STOWAGE_ROOT", &spelled)
+                .stdin(std::process::Stdio::null());
+            for out in [by_flag, output(c)] {
+                assert_eq!(code(&out), Some(0), "{spelled} {args:?}: {}", show(&out));
+                assert!(!stdout(&out).contains("PROBLEM"), "{}", show(&out));
+            }
+        }
+    }
+    assert!(fs::symlink_metadata(link).unwrap().is_symlink());
+    let real = env.tmp.path().join("real-img");
+    fs::create_dir(&real).unwrap();
+    let img_link = env.tmp.path().join("img-link");
+    symlink(&real, &img_link).unwrap();
+    let other = env.tmp.path().join("other");
+    let via = format!("{}/", img_link.display());
+    let out = stowage_at(&other, &["init", "--images-dir", &via]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("is a symlink"), "{}", show(&out));
+    let conf = fs::read_to_string(other.join("store.conf")).unwrap_or_default();
+    assert!(!conf.contains("img-link"), "{conf}");
+}
+
 /// A root's path may hold any byte but `/` and NUL: a newline, an escape
 /// sequence, a carriage return, a byte that is not UTF-8. Each root works
 /// like any other (its images directory claimed, doctor content), and

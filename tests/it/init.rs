@@ -486,6 +486,48 @@ fn an_images_directory_may_not_hold_or_lie_in_another_stores() {
     other.ok(["exec", "--read", "x", "--", "true"]);
 }
 
+/// No part of another store's layout is an images directory or a root,
+/// the part itself as well as what lies in it: that store's gc empties its
+/// `trash`, and its own files (the catalog's journal, the configuration
+/// written under a temporary name) are its to make and remove.
+#[test]
+fn no_part_of_another_stores_layout_is_an_images_directory_or_a_root() {
+    let a = Env::new();
+    a.make_image("x");
+    let before = tree(&a.root);
+    let b = Env::new();
+    for part in [
+        "trash",
+        "locks/slots",
+        "stowage.db-journal",
+        ".store.conf.tmp",
+    ] {
+        let dir = a.root.join(part);
+        let out = b.run(["init", "--images-dir", dir.to_str().unwrap()]);
+        assert_eq!(code(&out), Some(1), "{part}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("of the store at"),
+            "{part}: {}",
+            show(&out)
+        );
+        assert!(!b.root.exists(), "nothing made for the refused store");
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(&dir).arg("init");
+        let out = output(c);
+        assert_eq!(code(&out), Some(1), "{part} as a root: {}", show(&out));
+        assert!(
+            stderr(&out).contains("of the store at"),
+            "{part}: {}",
+            show(&out)
+        );
+    }
+    assert_eq!(tree(&a.root), before);
+    a.ok(["gc"]);
+    assert_eq!(a.state("x").as_deref(), Some("ready"));
+    // The root's own `img`, named, is its images directory still.
+    a.ok(["init", "--images-dir", a.root.join("img").to_str().unwrap()]);
+}
+
 /// What no store uses is no reason to refuse: a directory whose claim its
 /// store no longer records (it moved to another images directory), and a
 /// workspace that merely holds a `locks` directory beside an `img`.

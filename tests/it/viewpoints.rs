@@ -516,7 +516,7 @@ fn a_moved_store_keeps_its_images_directory() {
 /// A copy of a store whose original is gone from its path cannot tell
 /// whether the original was deleted or moved (and still uses the images
 /// directory): it is refused, with how to free the directory, and works
-/// once the claim is removed.
+/// once the claim is removed and its `init --images-dir` takes it.
 #[test]
 fn a_copy_whose_original_is_gone_is_refused_until_the_claim_is_freed() {
     let (env, ext) = store_with_external_images();
@@ -530,8 +530,12 @@ fn a_copy_whose_original_is_gone_is_refused_until_the_claim_is_freed() {
     // SAFETY: NUL-terminated path and attribute name.
     let r = unsafe { libc::removexattr(c.as_ptr(), c"user.stowage.store".as_ptr()) };
     assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    let out = in_copy(&copy, &["exec", "--read", "old", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("init --images-dir"), "{}", show(&out));
     for args in [
-        &["exec", "--read", "old", "--", "true"][..],
+        &["init", "--images-dir", ext.to_str().unwrap()][..],
+        &["exec", "--read", "old", "--", "true"],
         &["exec", "--write", "old", "--", "true"],
         &["gc"],
         &["rm", "old"],
@@ -540,6 +544,59 @@ fn a_copy_whose_original_is_gone_is_refused_until_the_claim_is_freed() {
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
     assert!(!ext.join("old").exists());
+}
+
+/// A copy of a store whose external images directory carries no claim (a
+/// filesystem without extended attributes, a claim removed, a store never
+/// claimed) is no less a copy: its root is not the one store.conf records.
+/// It neither reads, writes nor removes there, and neither its repair nor
+/// a plain init claims the directory, which would shut the original out;
+/// only its `init --images-dir` naming the directory takes it.
+#[test]
+fn a_copy_never_uses_nor_claims_an_unclaimed_images_directory() {
+    let (env, ext) = store_with_external_images();
+    env.build("base", "echo v1 > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.make_image("app");
+    let c = std::ffi::CString::new(ext.to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated path and attribute name.
+    let r = unsafe { libc::removexattr(c.as_ptr(), c"user.stowage.store".as_ptr()) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    let copy = copy_of(&env, "copy");
+    for args in [
+        &["rm", "app"][..],
+        &[
+            "exec",
+            "--write",
+            "base",
+            "--",
+            "sh",
+            "-c",
+            "echo copy > \"$STOWAGE_IMAGE_DIR/f\"",
+        ],
+        &["exec", "--read", "base", "--", "true"],
+        &["exec", "--write", "new", "--", "true"],
+        &["gc"],
+        &["doctor", "--repair"],
+        &["init"],
+    ] {
+        let out = in_copy(&copy, args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("init --images-dir") || args[0] == "doctor",
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    let out = in_copy(&copy, &["doctor", "--repair"]);
+    let claimed = "as this store's images directory";
+    assert!(!stdout(&out).contains(claimed), "{}", show(&out));
+    assert!(ext.join("app").is_dir() && !ext.join("new").exists());
+    assert_eq!(env.read_in_image("base", "f"), "v1\n");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    // The original is unchanged: it uses the directory, and its repair claims it.
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    env.ok(["doctor", "--repair"]);
+    assert!(claim_on(&ext).contains(&format!("path={}", env.root.display())));
 }
 
 /// A copy of a store, then the original moved away: the two must never
