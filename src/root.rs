@@ -31,10 +31,7 @@ pub struct Root {
     identity: std::sync::Arc<std::sync::OnceLock<String>>,
 }
 
-/// The layout's paths, each `ROOT/REL`.
-macro_rules! layout_paths {
-    ($($(#[$doc:meta])* $name:ident => $rel:literal,)*) => {
-        /// What the image lock files tell of the release that used a store last ([`Root::records_tell`]).
+/// What the image lock files tell of the release that used a store last ([`Root::records_tell`]).
 enum Told {
     OwnUse,
     /// An older release's tokens, and no record of this release's own use.
@@ -42,7 +39,10 @@ enum Told {
     Nothing,
 }
 
-impl Root {
+/// The layout's paths, each `ROOT/REL`.
+macro_rules! layout_paths {
+    ($($(#[$doc:meta])* $name:ident => $rel:literal,)*) => {
+        impl Root {
             $($(#[$doc])* pub fn $name(&self) -> PathBuf {
                 self.dir.join($rel)
             })*
