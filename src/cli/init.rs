@@ -551,8 +551,7 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             bail!("lost the store-wide hold before switching to {shown} ({why}): run it again");
         }
         // Named with its identity, so that another store's claim sees it bind, but with the
-        // root unrecorded until the claim is ours (`make_ours`): till then every use asks the
-        // claim, and of two inits racing for one directory only the claim's store uses it.
+        // root unrecorded until `make_ours` records it.
         config.images = ImagesDir::External(dir.to_owned());
         let images = crate::dir::Dir::open(dir)?;
         // Refused before it is recorded: a member's refused switch leaves the store as it was.
@@ -563,6 +562,11 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             .identity()
             .context("cannot inspect the images directory");
         (config.identity, config.root) = (Some(identity?), None);
+        // Claimed before the configuration names it: of two inits racing for one directory only
+        // the claim's store switches, and one killed between the two leaves it claimed, never
+        // named unclaimed for another store's init to take while this one uses it.
+        // (A filesystem that keeps no claim is said by `make_ours`.)
+        crate::images_dir::claim(&root, config, true, &images)?;
         let new = config.clone();
         crate::images_dir::update_config(
             &root,

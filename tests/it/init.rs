@@ -614,32 +614,49 @@ fn a_copy_of_a_store_removes_nothing_from_the_original_images_directory() {
     assert_eq!(a.read_in_image("kept", "f"), "a\n");
 }
 
-/// Two inits racing for one new images directory: one store gets it; the
-/// other's init is refused, and so is every use of it after (it went on
-/// writing there: two stores in one directory).
+/// Two inits racing for one new images directory: the first to claim it
+/// gets it, before its configuration names it; the other's init is refused,
+/// and so is every use of it after — also where the first was killed
+/// between naming it and finishing (before: the directory was left
+/// unclaimed, and the second store's init took it, adopting the first's
+/// images, while the first went on writing there).
 #[test]
 fn two_inits_racing_for_one_images_directory_leave_it_to_one_store() {
-    let a = Env::new();
-    let shared = a.scratch.join("img");
-    fs::create_dir(&shared).unwrap();
-    let dir = shared.to_str().unwrap();
-    let (first, go) = a.paused(["init", "--images-dir", dir], "init-switched");
-    let mut b = Env::new();
-    b.root = a.tmp.path().join("b");
-    b.ok(["init", "--images-dir", dir]);
-    fs::remove_file(go).unwrap();
-    let out = first.finish();
-    assert_eq!(code(&out), Some(1), "{}", show(&out));
-    let out = a.run(["exec", "--write", "from-a", "--", "true"]);
-    assert_ne!(code(&out), Some(0), "{}", show(&out));
-    assert!(
-        stderr(&out).contains("belongs to the store at"),
-        "{}",
-        show(&out)
-    );
-    assert!(!shared.join("from-a").exists());
-    b.ok(["exec", "--write", "from-b", "--", "true"]);
-    assert!(shared.join("from-b").is_dir());
+    for killed in [false, true] {
+        let a = Env::new();
+        let shared = a.scratch.join("img");
+        fs::create_dir(&shared).unwrap();
+        let dir = shared.to_str().unwrap();
+        let (first, go) = a.paused(["init", "--images-dir", dir], "init-switched");
+        let first = match killed {
+            true => {
+                first.kill_all();
+                a.ok(["exec", "--write", "from-a", "--", "true"]);
+                None
+            }
+            false => Some(first),
+        };
+        let mut b = Env::new();
+        b.root = a.tmp.path().join("b");
+        let out = b.run(["init", "--images-dir", dir]);
+        assert_eq!(code(&out), Some(1), "killed {killed}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("belongs to the store at"),
+            "killed {killed}: {}",
+            show(&out)
+        );
+        if let Some(first) = first {
+            fs::remove_file(go).unwrap();
+            let out = first.finish();
+            assert_eq!(code(&out), Some(0), "{}", show(&out));
+            a.ok(["exec", "--write", "from-a", "--", "true"]);
+        }
+        assert!(shared.join("from-a").is_dir(), "killed {killed}");
+        // Its refused init left it a store of its own images directory, if any.
+        let _ = b.run(["exec", "--write", "from-b", "--", "true"]);
+        assert!(!shared.join("from-b").exists(), "killed {killed}");
+        a.ok(["doctor"]);
+    }
 }
 
 /// What is no images directory is refused before anything is made, with
