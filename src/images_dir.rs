@@ -21,7 +21,7 @@ use crate::root::Root;
 /// record is written without one on disk. One lost while images have records is refused, not made
 /// anew: a new one would name the default directory and a new store id.
 pub fn config(root: &Root) -> Result<Config> {
-    if let Some(c) = crate::config::read(root.dir(), &root.open()?)? {
+    if let Some(c) = crate::config::read(root.dir(), root.opened()?)? {
         return Ok(c);
     }
     // An old release's catalog is migrated first; one that cannot be asked is refused.
@@ -46,7 +46,7 @@ pub fn config(root: &Root) -> Result<Config> {
         });
     }
     // Read again after the records were seen: lost if still missing (else made meanwhile).
-    crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
+    crate::config::read(root.dir(), root.opened()?)?.with_context(|| {
         format!(
             "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
             root.dir().join(crate::config::FILE).display()
