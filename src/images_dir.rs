@@ -224,9 +224,19 @@ pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     }
 }
 
-/// Whether nothing is at `path` (one `lstat`): a tree gone.
-pub fn nothing_at(path: &Path) -> bool {
-    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+/// Whether the tree `encoded` is gone from the images directory at `dir` as it is now (it, or the
+/// directory, not found: one `lstat`). `ROOT/img` is looked in from the root's descriptor, never by
+/// a path taken before (the root may have moved meanwhile); an external one by its own path. An
+/// error that says nothing of the tree (EACCES, ENOTDIR, EIO) is no sign it is gone.
+pub fn nothing_at(root: &Root, dir: &Path, encoded: &str) -> bool {
+    match root.opened() {
+        Ok(r) if dir == root.default_images_dir() => {
+            matches!(r.stat_at(Path::new("img").join(encoded)), Ok(None))
+        }
+        _ => {
+            matches!(std::fs::symlink_metadata(dir.join(encoded)), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+        }
+    }
 }
 
 /// Whether the tree `encoded` is in the images directory at `dir` now, by the filesystem's own word
@@ -499,11 +509,17 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
             ));
         }
     };
+    unmounted_at(root, &images, dir)
+}
+
+/// [`unmounted`] of `images`, the images directory opened as `dir`: the one a command's tree was
+/// found or made in, held since, whatever its path leads to now (the root moved meanwhile).
+pub fn unmounted_at(root: &Root, images: &Dir, dir: &Path) -> Option<String> {
     let config = config(root).ok()?;
     if config.images == ImagesDir::Default && moved(root, &config) {
         return None;
     }
-    not_the_recorded(&config, &images, dir)
+    not_the_recorded(&config, images, dir)
 }
 
 /// Why a new image's tree may not be made in `images`, opened as `dir`: a configured images
