@@ -240,17 +240,20 @@ pub fn nothing_at(root: &Root, dir: &Path, encoded: &str) -> bool {
 }
 
 /// Whether the tree `encoded` is in the images directory at `dir` now, by the filesystem's own word
-/// (`None`: it cannot be told). Where not local a client answers a lookup from its caches for a
+/// (`None`: it cannot be told, nor where the directory there is not the recorded one: a missing
+/// tree proves nothing there). Where not local a client answers a lookup from its caches for a
 /// while (GlusterFS, NFS): a tree another host moved to the trash a moment ago is still found, by
 /// `lstat` and by an `openat` alike (the moved directory lives on). A listing through a descriptor
 /// opened now is asked of the server, so there it is the evidence; locally one `lstat` is.
-pub fn tree_there(dir: &Path, encoded: &str) -> Option<bool> {
-    let images = Dir::open_nofollow(dir).ok()?;
-    if crate::filesystem::filesystem(dir).is_ok_and(|f| f.local) {
-        return images.stat_at(encoded).ok().map(|e| e.is_some());
-    }
-    let names = images.names().ok()?;
-    Some(names.iter().any(|n| n.as_os_str() == encoded))
+pub fn tree_there(root: &Root, dir: &Path, encoded: &str) -> Option<bool> {
+    let images = root.open_images_dir(dir).ok()?;
+    let there = if crate::filesystem::filesystem(dir).is_ok_and(|f| f.local) {
+        images.stat_at(encoded).ok()?.is_some()
+    } else {
+        let names = images.names().ok()?;
+        names.iter().any(|n| n.as_os_str() == encoded)
+    };
+    (there || unmounted_at(root, &images, dir).is_none()).then_some(there)
 }
 
 /// The tree a record describes, for reading and measuring only.
@@ -307,7 +310,7 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
     // Another directory at the recorded path is claimed only if named (`init --images-dir`).
     if external
         && !named
-        && let Some(why) = refused_for_new(config, images, &dir)
+        && let Some(why) = refused_for_new(root, config, images, &dir)
     {
         anyhow::bail!("{why}");
     }
@@ -522,12 +525,13 @@ pub fn unmounted_at(root: &Root, images: &Dir, dir: &Path) -> Option<String> {
     not_the_recorded(&config, images, dir)
 }
 
-/// Why a new image's tree may not be made in `images`, opened as `dir`: a configured images
-/// directory that is not the one recorded (unmounted, or another filesystem in its place) would
-/// hide the tree once the right one is mounted again.
-pub fn refused_for_new(config: &Config, images: &Dir, dir: &Path) -> Option<String> {
-    let external = matches!(config.images, ImagesDir::External(_));
-    external.then(|| not_the_recorded(config, images, dir))?
+/// Why a new image's tree may not be made in `images`, opened as `dir`: an images directory that
+/// is not the one recorded (unmounted, another filesystem in its place, a container's view that
+/// does not see its mount) would hide the tree once the right one is mounted again. The default
+/// one of a store copied or moved to another filesystem is its own ([`moved`], asked only then).
+pub fn refused_for_new(root: &Root, config: &Config, images: &Dir, dir: &Path) -> Option<String> {
+    let why = not_the_recorded(config, images, dir)?;
+    (config.images != ImagesDir::Default || !moved(root, config)).then_some(why)
 }
 
 fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String> {

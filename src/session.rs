@@ -749,7 +749,7 @@ fn start_new(
     let name = img.held.name.clone();
     crate::debug::pause("images-dir-checked");
     let images = crate::images_dir::confirmed(root, &dir, root.anchor_images_dir(&dir))?;
-    if let Some(why) = crate::images_dir::refused_for_new(&config, &images, &dir) {
+    if let Some(why) = crate::images_dir::refused_for_new(root, &config, &images, &dir) {
         anyhow::bail!("cannot create image '{name}': {why}");
     }
     let mut r = Record::new(name.as_str(), config.images.clone(), now);
