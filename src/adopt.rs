@@ -88,7 +88,7 @@ fn adopt_one(
     // Again under the lock, by evidence no client's cache fakes: an undone start, or an `rm` on
     // another host, may have taken its tree since, while a lookup here still finds it.
     let there = (tree.parent().zip(tree.file_name().and_then(|n| n.to_str())))
-        .and_then(|(dir, encoded)| crate::images_dir::tree_there(dir, encoded));
+        .and_then(|(dir, encoded)| crate::images_dir::tree_there(root, dir, encoded));
     if there != Some(true) || !std::fs::symlink_metadata(tree).is_ok_and(|m| m.is_dir()) {
         let _ = root.unlink_lock(guard);
         return Ok(false);

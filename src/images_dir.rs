@@ -21,7 +21,7 @@ use crate::root::Root;
 /// record is written without one on disk. One lost while images have records is refused, not made
 /// anew: a new one would name the default directory and a new store id.
 pub fn config(root: &Root) -> Result<Config> {
-    if let Some(c) = crate::config::read(root.dir(), &root.open()?)? {
+    if let Some(c) = crate::config::read(root.dir(), root.opened()?)? {
         return Ok(c);
     }
     // An old release's catalog is migrated first; one that cannot be asked is refused.
@@ -46,7 +46,7 @@ pub fn config(root: &Root) -> Result<Config> {
         });
     }
     // Read again after the records were seen: lost if still missing (else made meanwhile).
-    crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
+    crate::config::read(root.dir(), root.opened()?)?.with_context(|| {
         format!(
             "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
             root.dir().join(crate::config::FILE).display()
@@ -254,23 +254,36 @@ pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     }
 }
 
-/// Whether nothing is at `path` (one `lstat`): a tree gone.
-pub fn nothing_at(path: &Path) -> bool {
-    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+/// Whether the tree `encoded` is gone from the images directory at `dir` as it is now (it, or the
+/// directory, not found: one `lstat`). `ROOT/img` is looked in from the root's descriptor, never by
+/// a path taken before (the root may have moved meanwhile); an external one by its own path. An
+/// error that says nothing of the tree (EACCES, ENOTDIR, EIO) is no sign it is gone.
+pub fn nothing_at(root: &Root, dir: &Path, encoded: &str) -> bool {
+    match root.opened() {
+        Ok(r) if dir == root.default_images_dir() => {
+            matches!(r.stat_at(Path::new("img").join(encoded)), Ok(None))
+        }
+        _ => {
+            matches!(std::fs::symlink_metadata(dir.join(encoded)), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+        }
+    }
 }
 
 /// Whether the tree `encoded` is in the images directory at `dir` now, by the filesystem's own word
-/// (`None`: it cannot be told). Where not local a client answers a lookup from its caches for a
+/// (`None`: it cannot be told, nor where the directory there is not the recorded one: a missing
+/// tree proves nothing there). Where not local a client answers a lookup from its caches for a
 /// while (GlusterFS, NFS): a tree another host moved to the trash a moment ago is still found, by
 /// `lstat` and by an `openat` alike (the moved directory lives on). A listing through a descriptor
 /// opened now is asked of the server, so there it is the evidence; locally one `lstat` is.
-pub fn tree_there(dir: &Path, encoded: &str) -> Option<bool> {
-    let images = Dir::open_nofollow(dir).ok()?;
-    if crate::filesystem::filesystem(dir).is_ok_and(|f| f.local) {
-        return images.stat_at(encoded).ok().map(|e| e.is_some());
-    }
-    let names = images.names().ok()?;
-    Some(names.iter().any(|n| n.as_os_str() == encoded))
+pub fn tree_there(root: &Root, dir: &Path, encoded: &str) -> Option<bool> {
+    let images = root.open_images_dir(dir).ok()?;
+    let there = if crate::filesystem::filesystem(dir).is_ok_and(|f| f.local) {
+        images.stat_at(encoded).ok()?.is_some()
+    } else {
+        let names = images.names().ok()?;
+        names.iter().any(|n| n.as_os_str() == encoded)
+    };
+    (there || unmounted_at(root, &images, dir).is_none()).then_some(there)
 }
 
 /// The tree a record describes, for reading and measuring only.
@@ -328,8 +341,8 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
     // claimed only if named (`init --images-dir`).
     if external
         && !named
-        && let Some(why) =
-            refused_for_new(config, images, &dir).or_else(|| a_copys(config, &dir, &mine.root))
+        && let Some(why) = refused_for_new(root, config, images, &dir)
+            .or_else(|| a_copys(config, &dir, &mine.root))
     {
         anyhow::bail!("{why}");
     }
@@ -531,19 +544,26 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
             ));
         }
     };
+    unmounted_at(root, &images, dir)
+}
+
+/// [`unmounted`] of `images`, the images directory opened as `dir`: the one a command's tree was
+/// found or made in, held since, whatever its path leads to now (the root moved meanwhile).
+pub fn unmounted_at(root: &Root, images: &Dir, dir: &Path) -> Option<String> {
     let config = config(root).ok()?;
     if config.images == ImagesDir::Default && moved(root, &config) {
         return None;
     }
-    not_the_recorded(&config, &images, dir)
+    not_the_recorded(&config, images, dir)
 }
 
-/// Why a new image's tree may not be made in `images`, opened as `dir`: a configured images
-/// directory that is not the one recorded (unmounted, or another filesystem in its place) would
-/// hide the tree once the right one is mounted again.
-pub fn refused_for_new(config: &Config, images: &Dir, dir: &Path) -> Option<String> {
-    let external = matches!(config.images, ImagesDir::External(_));
-    external.then(|| not_the_recorded(config, images, dir))?
+/// Why a new image's tree may not be made in `images`, opened as `dir`: an images directory that
+/// is not the one recorded (unmounted, another filesystem in its place, a container's view that
+/// does not see its mount) would hide the tree once the right one is mounted again. The default
+/// one of a store copied or moved to another filesystem is its own ([`moved`], asked only then).
+pub fn refused_for_new(root: &Root, config: &Config, images: &Dir, dir: &Path) -> Option<String> {
+    let why = not_the_recorded(config, images, dir)?;
+    (config.images != ImagesDir::Default || !moved(root, config)).then_some(why)
 }
 
 fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String> {

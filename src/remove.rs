@@ -159,7 +159,7 @@ fn images_dir_of(root: &Root, name: &ImageName, record: &Record) -> Result<(Dir,
     let there = images.stat_at(name.encoded());
     let there = there.with_context(|| format!("cannot look at {}", tree.display()))?;
     if there.is_none()
-        && let Some(why) = crate::images_dir::unmounted(root, &images_dir)
+        && let Some(why) = crate::images_dir::unmounted_at(root, &images, &images_dir)
     {
         anyhow::bail!("cannot remove image '{name}': {why}");
     }
@@ -212,7 +212,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let trash = root.open_trash()?;
     let opened = root.open_images_dir(&images_dir);
     let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
-        .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
+        .filter(|d| crate::images_dir::unmounted_at(root, d, &images_dir).is_none());
     let Some(images) = usable else {
         let (name, shown) = (&held.name, images_dir.display());
         anyhow::bail!(
@@ -319,14 +319,6 @@ fn removal_underway(root: &Root, entry: &OsStr) -> bool {
 /// Whether the trash opened as `trash` is still there: a rename into it found nothing to move.
 fn trash_there(trash: &Dir) -> bool {
     crate::dir::fstat(trash).is_ok_and(|st| st.st_nlink > 0)
-}
-
-/// Removes an image's empty directory (undoing a start) via the images directory's descriptor.
-pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) {
-    let opened = root.open_images_dir(images_dir);
-    if let Ok(images) = crate::images_dir::confirmed(root, images_dir, opened) {
-        let _ = images.rmdir(name.encoded());
-    }
 }
 
 /// Empties an image's directory in `images` (the images directory `images_dir`, opened) without

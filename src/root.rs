@@ -195,9 +195,7 @@ impl Root {
         if let Some(id) = self.identity.get() {
             return Ok(id.clone());
         }
-        if self.opened.get().is_none() {
-            self.open()?;
-        }
+        self.opened()?;
         let (d, ino) = self.opened.get().expect("opened above");
         let id = d
             .identity_of(*ino)
@@ -208,18 +206,21 @@ impl Root {
     /// Opens the root directory, its ownership checked again on the descriptor.
     pub fn open(&self) -> Result<Dir> {
         let cannot = || format!("cannot open root {}", self.dir.display());
+        self.opened()?.duplicate().with_context(cannot)
+    }
+
+    /// The root directory's one descriptor ([`Root::open`]), lent: nothing duplicated or closed.
+    pub fn opened(&self) -> Result<&Dir> {
         if let Some((d, _)) = self.opened.get() {
-            return d.duplicate().with_context(cannot);
+            return Ok(d);
         }
+        let cannot = || format!("cannot open root {}", self.dir.display());
         let d = Dir::anchor(&self.dir).with_context(cannot)?;
         let st = d
             .stat()
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
         self.check_owner(st.uid, st.mode, st.gid)?;
-        let _ = self
-            .opened
-            .set((d.duplicate().with_context(cannot)?, st.ino));
-        Ok(d)
+        Ok(&self.opened.get_or_init(|| (d, st.ino)).0)
     }
 
     /// Opens `ROOT/NAME` (e.g. `trash`, `locks/images`), one component at a time, refusing a
@@ -237,17 +238,17 @@ impl Root {
     }
 
     fn walk_sub(&self, name: &str, missing_ok: bool) -> Result<Option<Dir>> {
-        let mut d = self.open()?;
-        let mut at = self.dir.clone();
+        let root = self.opened()?;
+        let (mut d, mut at) = (None::<Dir>, self.dir.clone());
         for part in name.split('/') {
             at.push(part);
-            d = match d.sub(part) {
-                Ok(d) => d,
+            d = match d.as_ref().unwrap_or(root).sub(part) {
+                Ok(d) => Some(d),
                 Err(e) if missing_ok && e.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(e) => return Err(not_a_dir(&at, e)),
             };
         }
-        Ok(Some(d))
+        Ok(Some(d.expect("a name has a part")))
     }
 
     /// Fails, naming it, if something is planted in the place of the directory of image locks or of
@@ -396,7 +397,7 @@ impl Root {
         if dir != self.default_images_dir() {
             return Dir::anchor_nofollow(dir).map_err(|e| not_a_dir(dir, e));
         }
-        let root = self.open()?;
+        let root = self.opened()?;
         match root.anchor_sub("img") {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 self.open_or_make_sub("img")?;

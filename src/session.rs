@@ -78,6 +78,8 @@ struct Image {
     made_tree: bool,
     /// For writes: the images directory the tree was found or made in, checked for it.
     images_dir: Option<PathBuf>,
+    /// That directory, opened then: a tree made in it and left empty is removed from it.
+    images: Option<Dir>,
     /// Its lock was found lost at the command's end: nothing more is written through it.
     lost: bool,
 }
@@ -261,7 +263,8 @@ impl Session {
                     img.record = Some(w);
                     // No tree (a failed first write's went; a store-wide command deleted a
                     // ready one, its stowage killed before it forgot it): made anew.
-                    (img.made_tree, img.images_dir) = make_missing_tree(&self.root, &img.held)?;
+                    (img.made_tree, img.images_dir, img.images) =
+                        make_missing_tree(&self.root, &img.held)?;
                 }
                 None => start_new(store, img, base.clone(), lease.clone(), now)?,
             }
@@ -516,8 +519,10 @@ impl Session {
         let mut out = Ok(());
         // A written image has a record once its start is recorded.
         for img in self.images.iter_mut().filter(|i| i.record.is_some()) {
-            if img.made_tree {
-                crate::remove::remove_empty_image_dir(&self.root, &self.images_dir, &img.held.name);
+            if img.made_tree
+                && let Some(images) = &img.images
+            {
+                let _ = images.rmdir(img.held.name.encoded());
             }
             let done = match img.before.clone() {
                 Some(before) => image_record::write_reserved(
@@ -597,6 +602,7 @@ fn take_images(
                 record: None,
                 made_tree: false,
                 images_dir: None,
+                images: None,
                 lost: false,
             },
             Err(e) => return give_up_on(root, images, &waited_for, e),
@@ -672,7 +678,7 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
                 let tree_missing = i.held.seen.record.as_ref().is_some_and(|r| {
                     r.state == State::Ready
                         && crate::images_dir::for_command(root, r).is_ok_and(|d| {
-                            crate::images_dir::nothing_at(&d.join(i.held.name.encoded()))
+                            crate::images_dir::nothing_at(root, &d, i.held.name.encoded())
                         })
                 });
                 match tree_missing {
@@ -743,7 +749,7 @@ fn start_new(
     let name = img.held.name.clone();
     crate::debug::pause("images-dir-checked");
     let images = crate::images_dir::confirmed(root, &dir, root.anchor_images_dir(&dir))?;
-    if let Some(why) = crate::images_dir::refused_for_new(&config, &images, &dir) {
+    if let Some(why) = crate::images_dir::refused_for_new(root, &config, &images, &dir) {
         anyhow::bail!("cannot create image '{name}': {why}");
     }
     let mut r = Record::new(name.as_str(), config.images.clone(), now);
@@ -755,7 +761,7 @@ fn start_new(
     if !img.made_tree {
         refuse_planted(&images, &dir, &name)?;
     }
-    img.images_dir = Some(dir);
+    (img.images_dir, img.images) = (Some(dir), Some(images));
     Ok(())
 }
 
@@ -771,32 +777,32 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
 }
 
 /// Makes the tree of an existing image that has none (a failed first write's went): whether made,
-/// and the images directory checked for it. One that is not a directory of its own (one `lstat`):
-/// a symlink or file swapped in, or a missing one where the images directory is not the recorded
-/// one, misdirects writes, and is refused.
-fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>)> {
+/// and the images directory checked for it, as a path and opened. One that is not a directory of
+/// its own (one `lstat`): a symlink or file swapped in, or a missing one where the images directory
+/// is not the recorded one, misdirects writes, and is refused.
+fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>, Option<Dir>)> {
     let Some(r) = held.seen.record.as_ref() else {
-        return Ok((false, None));
+        return Ok((false, None, None));
     };
-    let images = crate::images_dir::for_command(root, r)?;
-    let tree = images.join(held.name.encoded());
-    let what = match std::fs::symlink_metadata(&tree) {
-        Ok(m) if m.file_type().is_symlink() => "a symlink",
-        Ok(m) if !m.is_dir() => "not a directory",
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            if let Some(why) = crate::images_dir::unmounted(root, &images) {
-                anyhow::bail!("cannot write image '{}': {why}", held.name);
+    let dir = crate::images_dir::for_command(root, r)?;
+    let tree = dir.join(held.name.encoded());
+    let cannot = |why: String| anyhow::anyhow!("cannot write image '{}': {why}", held.name);
+    let images = root.open_images_dir(&dir).map_err(|e| {
+        cannot(crate::images_dir::unmounted(root, &dir).unwrap_or_else(|| format!("{e:#}")))
+    })?;
+    let what = match images.stat_at(held.name.encoded()) {
+        Ok(Some(e)) if e.is_symlink() => "a symlink",
+        Ok(Some(e)) if !e.is_dir() => "not a directory",
+        Ok(None) => {
+            if let Some(why) = crate::images_dir::unmounted_at(root, &images, &dir) {
+                return Err(cannot(why));
             }
-            let dir = crate::images_dir::of_record(root, r)?;
-            let opened = root.open_or_make_images_dir(&dir);
-            let made = make_tree(
-                &crate::images_dir::confirmed(root, &dir, opened)?,
-                &dir,
-                &held.name,
-            )?;
-            return Ok((made, Some(images)));
+            crate::images_dir::of_record(root, r)?;
+            let images = crate::images_dir::confirmed(root, &dir, Ok(images))?;
+            let made = make_tree(&images, &dir, &held.name)?;
+            return Ok((made, Some(dir), Some(images)));
         }
-        _ => return Ok((false, Some(images))),
+        _ => return Ok((false, Some(dir), Some(images))),
     };
     anyhow::bail!(
         "image '{}': its tree {} is {what}: refusing to write through it (remove it with 'stowage rm {}')",
@@ -939,7 +945,8 @@ fn finish_write(
     let Some(mut r) = img.record.clone() else {
         return Ok(None);
     };
-    let missing = crate::images_dir::nothing_at(&images_dir.join(img.held.name.encoded()));
+    let enc = img.held.name.encoded();
+    let missing = crate::images_dir::nothing_at(root, images_dir, enc);
     let mut note = None;
     (r.state, r.outcome) = match outcome {
         Outcome::Success if missing => match crate::images_dir::unmounted(root, images_dir) {
@@ -969,8 +976,9 @@ fn finish_write(
         && img.made_tree
         && img.before.is_none()
         && !open_elsewhere(&img.held.guard)
+        && let Some(images) = &img.images
     {
-        crate::remove::remove_empty_image_dir(root, images_dir, &img.held.name);
+        let _ = images.rmdir(enc);
     }
     Ok(note)
 }

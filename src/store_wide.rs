@@ -306,7 +306,7 @@ fn forget_missing(
         r.state == crate::image_record::State::Ready
             && r.images == config.images
             && crate::name::ImageName::parse(&r.name)
-                .is_ok_and(|n| crate::images_dir::nothing_at(&dir.join(n.encoded())))
+                .is_ok_and(|n| crate::images_dir::nothing_at(root, &dir, n.encoded()))
     };
     let missing: Vec<crate::census::Entry> = entries
         .into_iter()
@@ -317,9 +317,10 @@ fn forget_missing(
     }
     // A missing tree proves nothing where the directory is not the recorded one, or is empty while
     // images are recorded.
-    let empty = crate::dir::Dir::open_nofollow(&dir)
-        .and_then(|d| d.names())
-        .is_ok_and(|n| n.is_empty());
+    // Through the root's descriptor: the root may have moved while the command ran.
+    let empty = (root.open_images_dir(&dir).ok())
+        .and_then(|d| d.names().ok())
+        .is_some_and(|n| n.is_empty());
     let unusable = crate::images_dir::unmounted(root, &dir).or_else(|| {
         empty.then(|| {
             format!(

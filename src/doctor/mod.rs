@@ -896,8 +896,9 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
         // Gone by the filesystem's own word (not a lookup a client answers from its caches).
         let still = h.seen.record.as_ref().is_some_and(|r| {
             stands_for_its_tree(r, r.state)
-                && crate::images_dir::of_record(root, r)
-                    .is_ok_and(|d| crate::images_dir::tree_there(&d, n.encoded()) == Some(false))
+                && crate::images_dir::of_record(root, r).is_ok_and(|d| {
+                    crate::images_dir::tree_there(root, &d, n.encoded()) == Some(false)
+                })
         });
         if still && root.drop_record(n, h.guard).is_ok() {
             dropped.push(n.as_str().to_owned());

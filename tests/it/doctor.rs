@@ -260,6 +260,38 @@ fn doctor_says_nothing_of_an_image_created_while_it_looks() {
     }
 }
 
+/// A repair drops the record of a gone tree only on the word of the images
+/// directory recorded: another put in its place between the listing and
+/// the drop (unmounted meanwhile, leaving the bare mount point) says
+/// nothing of the tree, and the record stays until a repair sees the
+/// recorded directory again.
+#[test]
+fn a_repair_drops_no_record_on_the_word_of_another_images_directory() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    env.ok(["doctor", "--repair"]);
+    let (doctor, go_on) = env.paused(["doctor", "--repair"], "doctor-records-read");
+    let (img, away) = (env.images_dir(), env.tmp.path().join("img.away"));
+    fs::remove_dir_all(img.join("a")).unwrap();
+    fs::rename(&img, &away).unwrap();
+    fs::create_dir(&img).unwrap();
+    fs::remove_file(&go_on).unwrap();
+    let out = doctor.finish();
+    assert!(!stdout(&out).contains("dropped"), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"), "{}", show(&out));
+    fs::remove_dir(&img).unwrap();
+    fs::rename(&away, &img).unwrap();
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(
+        stdout(&out).contains("dropped the records of 'a'"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("a"), None);
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+}
+
 /// A record whose tree was deleted by hand: the repair drops the record
 /// (the image is gone); a record of the wrong images directory is left.
 #[test]

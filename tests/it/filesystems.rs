@@ -304,6 +304,63 @@ fn no_new_image_is_made_while_the_images_directory_is_unmounted() {
     assert!(aside.join("a/file").exists());
 }
 
+/// The default images directory is no different: a disk mounted on
+/// `ROOT/img` (accepted by `init --images-dir ROOT/img`) and then unmounted
+/// leaves the bare mount point, where a new image would be hidden once the
+/// disk is back (and a repair would then drop its record as a gone tree).
+/// It is refused before anything is recorded or made, as is a rewrite and
+/// a plain `init`; back again, nothing was lost and nothing is dropped.
+#[test]
+fn no_new_image_is_made_while_the_default_images_directory_is_unmounted() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    env.ok(["init"]);
+    let img = env.images_dir();
+    let Some(m) = Mount::tmpfs_at(&img, "4m") else {
+        return;
+    };
+    env.ok(["init", "--images-dir", img.to_str().unwrap()]);
+    env.make_image("base");
+    let (aside, m) = unmount_aside(&env, m);
+    let ran = env.sentinel("ran");
+    let touch = ["touch", ran.to_str().unwrap()];
+    for args in [
+        &["exec", "--write", "new", "--"][..],
+        &["exec", "--write", "base", "--"],
+    ] {
+        let out = env.run([args, &touch].concat());
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("not the directory recorded"), "{}", show(&out));
+        assert!(!ran.exists(), "{args:?}: the command ran");
+    }
+    let out = env.run(["init"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(
+        fs::read_dir(&img).unwrap().count(),
+        0,
+        "made in the mount point"
+    );
+    assert_eq!(env.state("new"), None);
+    assert!(!env.lock_file("new").exists());
+    // Mounted again: the image is there, ready, and a repair drops nothing.
+    let back = Command::new("mount")
+        .arg("--move")
+        .arg(&aside)
+        .arg(&img)
+        .status();
+    assert!(back.is_ok_and(|s| s.success()));
+    std::mem::forget(m);
+    let _m = Mount::adopt(&img);
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(!stdout(&out).contains("dropped"), "{}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("base", "file"), "content\n");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
+
 /// A write of an image while its images directory is not the one
 /// recorded (unmounted, leaving the empty mount point; or another
 /// directory put in its place) would run the command where nobody looks

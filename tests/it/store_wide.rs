@@ -1192,7 +1192,8 @@ fn a_filesystem_mounted_over_the_images_directory_by_a_store_wide_command_forget
 /// again (as `ch-image reset` does; on ext4 the new one often gets the old
 /// one's inode number) has deleted the trees in it: their images are
 /// forgotten. One that moves the directory away and makes another has
-/// deleted nothing: every image is kept.
+/// deleted nothing: every image is kept, and no new one is made in the
+/// directory made in their place (hidden once they are moved back).
 #[test]
 fn an_images_directory_deleted_and_made_again_is_told_from_one_moved_away() {
     for (script, kept) in [
@@ -1214,6 +1215,10 @@ fn an_images_directory_deleted_and_made_again_is_told_from_one_moved_away() {
             let read = env.run(["exec", "--read", "a", "--", "true"]);
             assert_eq!(code(&read), Some(66), "{}", show(&read));
         }
-        env.ok(["exec", "--write", "b", "--", "true"]);
+        // Beside trees moved away, a new one would be lost once they are back.
+        let out = env.run(["exec", "--write", "b", "--", "true"]);
+        let refused = stderr(&out).contains("not the directory recorded");
+        assert_eq!(code(&out), Some(if kept { 1 } else { 0 }), "{}", show(&out));
+        assert_eq!(refused, kept, "{script}: {}", show(&out));
     }
 }

@@ -513,6 +513,56 @@ fn a_moved_store_keeps_its_images_directory() {
     assert!(stderr(&out).contains(&said), "{}", show(&out));
 }
 
+/// A store moved on its filesystem while an image is written (the root is
+/// the same directory, its images directory too) keeps the image: the end
+/// of the write looks for the tree in the images directory it started in,
+/// not at the path that led there, so a new image and a rewritten one both
+/// end `ready`, with what their commands wrote, and nothing is amiss.
+#[test]
+fn a_store_moved_while_images_are_written_keeps_them_ready() {
+    let env = Env::new();
+    env.make_image("old");
+    let (a, b) = (env.tmp.path().join("a"), env.tmp.path().join("b"));
+    for (name, from, to) in [("new", &env.root, &a), ("old", &a, &b)] {
+        let paused = env.sentinel(&format!("paused.{name}"));
+        let mut c = Command::new(bin());
+        c.arg("--root")
+            .arg(from)
+            .args(["exec", "--write", name, "--"]);
+        c.args(["sh", "-c", "echo built > \"$STOWAGE_IMAGE_DIR/f\""]);
+        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+        let point = format!("write-finishing:{}", paused.display());
+        c.env(stowage::env::DEBUG_PAUSE, point);
+        let bg = Bg::from_command(c);
+        wait_for_file(&paused);
+        fs::rename(from, to).unwrap();
+        fs::remove_file(&paused).unwrap();
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{name}: {}", show(&out));
+        assert_eq!(stderr(&out), "", "{name}: {}", show(&out));
+        let read = ["exec", "--read", name, "--", "sh", "-c"];
+        let out = in_copy(
+            to,
+            &[&read[..], &["cat \"$STOWAGE_IMAGES_DIR/$0/f\"", name]].concat(),
+        );
+        assert_eq!(code(&out), Some(0), "{name}: {}", show(&out));
+        assert_eq!(stdout(&out), "built\n", "{name}: {}", show(&out));
+    }
+    let out = in_copy(&b, &["images", "--json"]);
+    let images: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let states: Vec<(&str, &str)> = (images.as_array().unwrap().iter())
+        .map(|i| (i["name"].as_str().unwrap(), i["state"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        states,
+        [("new", "ready"), ("old", "ready")],
+        "{}",
+        show(&out)
+    );
+    let out = in_copy(&b, &["doctor"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
 /// A copy of a store whose original is gone from its path cannot tell
 /// whether the original was deleted or moved (and still uses the images
 /// directory): it is refused, with how to free the directory, and works
