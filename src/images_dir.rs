@@ -576,7 +576,7 @@ fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String>
 /// makes it the store's images directory for every host and container that uses the store.
 fn not_recorded(dir: &Path, now: &str, recorded: &str) -> String {
     format!(
-        "images directory {} is not the directory recorded ({now}, not {recorded}): unmounted? (mount it as other hosts see it; 'stowage init --images-dir {}' makes this one the store's, for every host)",
+        "images directory {} is not the directory recorded ({now}, not {recorded}): not mounted? ('stowage init --images-dir {}' is for all hosts)",
         dir.display(),
         crate::ident::shell_path(dir)
     )
