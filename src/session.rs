@@ -712,19 +712,34 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
     for img in images.iter().filter(|i| !i.writes()) {
         let name = img.held.name.as_str().to_owned();
         let path = root.image_lock(&img.held.name);
-        let error = match img.held.seen.record.as_ref().map(|r| r.state_seen(false)) {
+        let record = img.held.seen.record.as_ref();
+        let error = match record.map(|r| r.state_seen(false)) {
             _ if gone.contains(&img.held.name) => Error::NoSuchImage(name),
             _ if img.held.seen.damaged => Error::DamagedRecord { name, path },
             None | Some(State::Deleting) => Error::NoSuchImage(name),
             Some(State::Ready) => continue,
-            Some(s) => Error::NotReady {
+            Some(_) => Error::NotReady {
+                state: record.map(not_ready_why).unwrap_or_default(),
                 name,
-                state: s.as_str().to_owned(),
             },
         };
         return Err(error.into());
     }
     Ok(())
+}
+
+/// What a reader is told of an image whose record `r` is not ready: its state, and why.
+fn not_ready_why(r: &Record) -> String {
+    let name = &r.name;
+    match (r.state, r.outcome.as_deref()) {
+        _ if r.readiness_unknown() => format!(
+            "incomplete, readiness unknown: 'stowage exec --write {name} -- true' marks it ready"
+        ),
+        (State::Incomplete, Some(how)) => format!("incomplete, its writer's outcome: {how}"),
+        // A write in flight under no exclusive lock: its writer is gone.
+        (s, _) if s.in_flight() => "incomplete, its writer died".into(),
+        (s, _) => s.as_str().into(),
+    }
 }
 
 /// Writes a record, using the reserve if the filesystem is full.

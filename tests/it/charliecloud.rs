@@ -541,7 +541,8 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     let out = output(ch.ch_build(["-t", "worse", "-f", &df]));
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert!(
-        stderr(&out).contains("image 'bad' is not ready (state: incomplete)"),
+        stderr(&out)
+            .contains("image 'bad' is not ready (state: incomplete, its writer's outcome: exit 1)"),
         "{}",
         show(&out)
     );

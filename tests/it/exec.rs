@@ -991,3 +991,26 @@ fn a_request_refused_on_a_new_image_leaves_the_other_images_it_writes_ready() {
         "not a directory"
     );
 }
+
+/// A read of an image that is not ready says why, from its record: its
+/// writer's outcome, or that its readiness is unknown and how to mark it
+/// ready (before: "not ready (state: incomplete)" alone).
+#[test]
+fn a_read_of_an_image_not_ready_says_why() {
+    let env = Env::new();
+    let out = env.run(["exec", "--write", "failed", "--", "false"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    fs::create_dir_all(env.root.join("img/found")).unwrap();
+    env.ok(["doctor", "--repair"]);
+    for (name, why) in [
+        ("failed", "incomplete, its writer's outcome: exit 1"),
+        (
+            "found",
+            "readiness unknown: 'stowage exec --write found -- true' marks it ready",
+        ),
+    ] {
+        let out = env.run(["exec", "--read", name, "--", "true"]);
+        assert_eq!(code(&out), Some(66), "{}", show(&out));
+        assert!(stderr(&out).contains(why), "{name}: {}", show(&out));
+    }
+}
