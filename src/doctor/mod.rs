@@ -6,7 +6,7 @@
 //!   an unusable catalog is set aside (never deleted) and made anew from the records.
 //! - An image whose state cannot be known (a damaged record) is reported, never removed.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -765,9 +765,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         (e.seen.record.as_ref())
             .is_some_and(|r| stands_for_its_tree(r, r.state_seen(e.writer_alive)))
     };
-    let listed = images.names();
+    let listed = images.listing();
     let listed = listed.with_context(|| format!("cannot list images directory {}", dir.display()));
-    let listed: HashSet<_> = listed?.into_iter().collect();
+    // Each entry's type as the listing gives it: a tree that is no directory costs no stat.
+    let listed: HashMap<_, _> = listed?.into_iter().map(|e| (e.name, e.kind)).collect();
     if listed.is_empty() && entries.iter().any(stand) {
         report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
@@ -776,6 +777,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         crate::images_dir::record_identity(&root, &mut config, false, || store.global(None))?;
     }
     let (mut named, mut foreign, mut gone) = (HashSet::new(), Vec::new(), Vec::new());
+    let mut not_trees = Vec::new();
     for e in &entries {
         // A record that cannot be read is still the image's: reported under "records". An empty
         // lock file names nothing: its tree is an orphan.
@@ -791,11 +793,13 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             continue;
         };
         // By the listing, asked now: a client's cached lookup may miss a tree made on another host.
-        let there = listed.contains(std::ffi::OsStr::new(n.encoded()));
-        if !there && stand(e) {
-            gone.push(n);
+        match listed.get(std::ffi::OsStr::new(n.encoded())) {
+            None if stand(e) => gone.push(n),
+            Some(&kind) if stand(e) && kind != libc::DT_DIR => not_trees.push((n, kind)),
+            _ => {}
         }
     }
+    no_directory(&images, &dir, &not_trees, report);
     if !foreign.is_empty() {
         report.add("images", Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
@@ -862,6 +866,29 @@ fn orphan_trees(
 /// ready one's or an adopted one's (kept forever if adopted from a client's stale lookup).
 fn stands_for_its_tree(r: &Record, state: State) -> bool {
     state == State::Ready || (state == State::Incomplete && r.outcome.as_deref() == Some(ADOPTED))
+}
+
+/// Ready or adopted images whose tree in `images` (at `dir`) is no directory (a FIFO, a file, a
+/// symlink put in its place): reported, never removed by a repair (what is there is not ours).
+fn no_directory(images: &Dir, dir: &Path, found: &[(ImageName, u8)], report: &mut Report) {
+    for (n, kind) in found {
+        let enc = n.encoded();
+        // `d_type` says `DT_UNKNOWN` where the filesystem does not tell: asked by a stat.
+        let mode = match *kind {
+            libc::DT_UNKNOWN => match images.stat_at(enc) {
+                Ok(Some(st)) if !st.is_dir() => st.mode,
+                _ => continue,
+            },
+            kind => u32::from(kind) << 12,
+        };
+        let what = crate::planted::kind_name(mode);
+        let to = nix::fcntl::readlinkat(images, enc).map_or_else(
+            |_| String::new(),
+            |t| format!(" (to {})", Path::new(&t).display()),
+        );
+        let tree = dir.join(enc);
+        report.add("images", Problem, format!("image '{n}' is recorded, but its tree {} is {what}{to}, not a directory: a read of it finds no image tree; it is left as it is (a repair deletes nothing it did not make): move it away and write the image anew, or 'stowage rm {n}'", tree.display()));
+    }
 }
 
 /// Ready or adopted records whose trees are gone (deleted by hand): the image is gone.
