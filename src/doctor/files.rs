@@ -83,10 +83,7 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
     for name in slots.names().unwrap_or_default() {
         let Some(name) = name.to_str() else { continue };
         match slots.stat_at(name) {
-            Ok(Some(st)) if st.is_dir() => {
-                class_record(root, &name.replace('%', "/"), report);
-                out.push(name.to_owned());
-            }
+            Ok(Some(st)) if st.is_dir() => out.push(name.to_owned()),
             Ok(Some(st)) if crate::slots::validate_class(&name.replace('%', "/")).is_ok() => {
                 let kind = crate::planted::kind_of_mode(st.mode).unwrap_or("a regular file");
                 let path = root.slot_locks().join(name);
@@ -98,14 +95,17 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
     out
 }
 
-/// A class whose record cannot be read: every acquirer of it is refused until it is set again. (A
-/// `0.lock` that is no file is reported as planted; one empty, of a removed class, is no class.)
-fn class_record(root: &Root, class: &str, report: &mut Report) {
-    if crate::slots::validate_class(class).is_err() {
-        return;
-    }
-    if let Ok(crate::slot_limits::Class::Damaged) = crate::slots::read_class(root, class) {
-        let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
+/// Classes whose record cannot be read (one read per class; asked of a migrated store, whose class
+/// files are records): every acquirer of one is refused until it is set again. A `0.lock` that is
+/// no file is reported as planted by [`check`]; an empty one, of a removed class, is no class.
+pub(super) fn class_records(root: &Root, report: &mut Report) {
+    use crate::slot_limits::Class::Damaged;
+    for (class, found) in crate::slots::classes(root) {
+        // Read again only where `classes` found no limits: told from a file that cannot be opened.
+        if found != Damaged || !matches!(crate::slots::read_class(root, &class), Ok(Damaged)) {
+            continue;
+        }
+        let path = root.slot_class_dir(&class).join(Kind::Normal(0).file_name());
         let shown = path.display();
         report.add("slots", Problem, format!("the limits of slot class '{class}' in {shown} are damaged: 'stowage exec --slot {class}' is refused until they are set again with 'stowage slots set {class} LIMIT'"));
     }

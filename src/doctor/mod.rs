@@ -225,6 +225,7 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
         report.add("records", Info, detail);
         return Ok(false);
     }
+    files::class_records(root, report);
     records(store, repair, report)?;
     if configured {
         trees(store, repair, report)?;
