@@ -105,7 +105,9 @@ pub(super) fn class_records(root: &Root, report: &mut Report) {
         if found != Damaged || !matches!(crate::slots::read_class(root, &class), Ok(Damaged)) {
             continue;
         }
-        let path = root.slot_class_dir(&class).join(Kind::Normal(0).file_name());
+        let path = root
+            .slot_class_dir(&class)
+            .join(Kind::Normal(0).file_name());
         let shown = path.display();
         report.add("slots", Problem, format!("the limits of slot class '{class}' in {shown} are damaged: 'stowage exec --slot {class}' is refused until they are set again with 'stowage slots set {class} LIMIT'"));
     }

@@ -375,12 +375,18 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             .map(|t| format!(" (to {})", t.display()))
             .unwrap_or_default();
         let users_own = name == "img" && bad.starts_with("a symlink");
+        // Records it leads to (a directory of them moved elsewhere, linked back): set aside with it.
+        let records = root.records_in_place_of(name);
+        let kept = match records {
+            0 => String::new(),
+            n => format!("; it leads to {n} image record(s): {}", held_back_advice(&path)),
+        };
         if repair && !users_own {
             let fixed = root.replace_with_dir(name);
             match &fixed {
                 Ok(aside) => {
                     let aside = aside.display();
-                    report.add("layout", Repaired, format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place"));
+                    report.add("layout", Repaired, format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place{kept}"));
                 }
                 Err(e) => report.add("layout", Problem, format!("{shown} is {bad}{target}: {e:#}")),
             }
@@ -390,11 +396,20 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             format!(" — {}", crate::planted::IMG_LINK)
         } else {
             report.by_repair();
-            " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew".to_owned()
+            format!(" — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew{kept}")
         };
         report.add("layout", Problem, format!("{shown} is {bad}{target}{advice}"));
         false
     })
+}
+
+/// What becomes of trees whose records a repair sets aside with layout directory `place`, and how
+/// they are used again.
+fn held_back_advice(place: &Path) -> String {
+    let place = place.display();
+    format!(
+        "no tree is adopted while they are set aside (adopted, each image would lose its state and base); to use them, move the directory it leads to to {place}, in place of the empty one a repair makes there"
+    )
 }
 
 /// What goes on without a catalog that cannot be used, and how it is put right.
@@ -828,6 +843,9 @@ fn orphan_trees(
         let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
         report.add("images", Info, detail);
     }
+    if held_back(store.root(), orphans, &shown, report) {
+        return Ok(());
+    }
     let (how, state) = match config.adopting {
         true => (Adopt::AsReady, "ready"),
         false => (Adopt::Unknown, "incomplete"),
@@ -861,6 +879,42 @@ fn orphan_trees(
         report.add("images", Problem, detail);
     }
     Ok(())
+}
+
+/// Whether trees without a record are held back from adoption: records a repair set aside with a
+/// layout directory (a symlink in `locks`' or `locks/images`' place) may be theirs. Reported.
+fn held_back(
+    root: &Root,
+    orphans: &adopt::Orphans,
+    shown: &std::path::Display,
+    report: &mut Report,
+) -> bool {
+    if orphans.trees.is_empty() {
+        return false;
+    }
+    let aside = root.records_set_aside();
+    let Some((at, to, n)) = aside.first() else {
+        return false;
+    };
+    let to = to
+        .as_ref()
+        .map_or_else(String::new, |t| format!(", to {}", t.display()));
+    let names: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
+    // `locks.planted-*` holds the whole of `locks`; `locks/images.planted-*` the records alone.
+    let whole = at
+        .file_name()
+        .is_some_and(|f| f.to_string_lossy().starts_with("locks."));
+    let advice = held_back_advice(&if whole {
+        root.locks()
+    } else {
+        root.image_locks()
+    });
+    let at = at.display();
+    let have = if names.len() == 1 { "has" } else { "have" };
+    report.naming("images", Problem, &names, |names| {
+        format!("{names} in {shown} {have} no record, but {n} image record(s) are set aside in {at}{to}: {advice}; if they are not this store's, remove {at}")
+    });
+    true
 }
 
 /// Whether a record in `state` says no more than its tree, so that tree gone, the image is: a
