@@ -781,6 +781,52 @@ impl Root {
         Ok(locks_ok)
     }
 
+    /// How many image records what is in place of layout directory `name` (`locks`,
+    /// `locks/images`) leads to: a symlink there to a directory of records, the user's real one
+    /// perhaps. Followed for this listing only.
+    pub fn records_in_place_of(&self, name: &str) -> usize {
+        let (parent, entry) = name.rsplit_once('/').unwrap_or(("", name));
+        let below = (name == Self::LOCKS_REL).then_some("images");
+        self.listable(parent)
+            .map_or(0, |d| records_behind(&d, entry, below))
+    }
+
+    /// Layout directories of records a repair set aside (`locks.planted-*`, `locks/images.planted-*`,
+    /// each a symlink planted in `locks`' or `locks/images`' place) that still lead to image
+    /// records: each with where it points and how many. While one does, no tree is adopted: those
+    /// records may be the trees' own.
+    pub fn records_set_aside(&self) -> Vec<(PathBuf, Option<PathBuf>, usize)> {
+        let mut out = Vec::new();
+        let places = [
+            ("", "locks.planted-", Some("images")),
+            (Self::LOCKS_REL, "images.planted-", None),
+        ];
+        for (parent, prefix, below) in places {
+            let Ok(dir) = self.listable(parent) else {
+                continue;
+            };
+            for name in dir.names().unwrap_or_default() {
+                let Some(name) = name.to_str().filter(|n| n.starts_with(prefix)) else {
+                    continue;
+                };
+                let n = records_behind(&dir, name, below);
+                let to = nix::fcntl::readlinkat(&dir, name).ok().map(PathBuf::from);
+                if n > 0 {
+                    out.push((self.dir.join(parent).join(name), to, n));
+                }
+            }
+        }
+        out
+    }
+
+    /// The layout directory `rel` (`""`: the root) opened to be listed.
+    fn listable(&self, rel: &str) -> Result<Dir> {
+        match rel {
+            "" => Ok(self.open()?.sub(".")?),
+            rel => self.open_sub(rel),
+        }
+    }
+
     /// Sets aside what is planted in place of layout directory `name` (`Dir::set_aside`) and makes
     /// an empty directory there. Returns where it went.
     pub fn replace_with_dir(&self, name: &str) -> Result<PathBuf> {
@@ -1114,6 +1160,33 @@ pub fn lock_file_label(fname: &str) -> String {
         Some(n) => format!("image '{n}'"),
         None => format!("image lock {fname}"),
     }
+}
+
+/// How many image records the directory `name` in `dir` holds in its `.lock` files (`below`: in its
+/// subdirectory, never through a link), `name` followed if a symlink: a count for a report, each
+/// file only read (opened following no link, never blocking).
+fn records_behind(dir: &Dir, name: &str, below: Option<&str>) -> usize {
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | libc::O_NONBLOCK;
+    let Ok(name) = std::ffi::CString::new(name) else {
+        return 0;
+    };
+    let Ok(d) = dir.open_at(&name, flags, 0).map(Dir::from) else {
+        return 0;
+    };
+    let d = match below.map(|b| d.sub(b)) {
+        None => d,
+        Some(Ok(sub)) => sub,
+        Some(Err(_)) => return 0,
+    };
+    let names = d.names().unwrap_or_default();
+    let holds_record = |n: &std::ffi::OsString| {
+        let seen = d.open_read(n).and_then(|f| crate::image_record::read(&f));
+        seen.is_ok_and(|s| s.record.is_some() || s.legacy)
+    };
+    names
+        .iter()
+        .filter(|n| n.to_str().is_some_and(|n| n.ends_with(".lock")) && holds_record(n))
+        .count()
 }
 
 #[cfg(test)]

@@ -547,7 +547,12 @@ impl Slots {
             .candidates
             .try_any_where(|j| if j < high { !high_full } else { !normal_full })?
         else {
-            return Ok(Took::Busy);
+            // A file replaced or planted since the class was read: the class is read again (its
+            // record file planted refuses it), where a sleep would wait for a close that never comes.
+            return Ok(match self.candidates.replaced() {
+                true => Took::Changed,
+                false => Took::Busy,
+            });
         };
         let is_high = i < high;
         // A reserved slot taken while normal holders run beyond a lowered limit: what they take

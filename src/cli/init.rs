@@ -120,7 +120,16 @@ fn adopt_found(
         Adopt::Unknown
     };
     let named: HashSet<String> = census.iter().filter_map(|e| e.image()).collect();
-    let orphans = adopt::orphans(images, dir, &named, stores_judged)?;
+    let mut orphans = adopt::orphans(images, dir, &named, stores_judged)?;
+    // Records a repair set aside with a layout directory may be these trees': none is adopted.
+    if let Some((at, _, n)) = (!orphans.trees.is_empty())
+        .then(|| root.records_set_aside().into_iter().next())
+        .flatten()
+    {
+        let (trees, at) = (orphans.trees.len(), at.display());
+        store.ctx().say(&format!("not adopting {trees} tree(s) in {}: {n} image record(s) are set aside in {at}, which may be theirs ('stowage doctor' says what to do)", dir.display()));
+        orphans.trees.clear();
+    }
     let as_ready = how == Adopt::AsReady && !orphans.trees.is_empty();
     if as_ready {
         adopt::mark_adopting(store, true)?;

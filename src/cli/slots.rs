@@ -111,9 +111,12 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     root.check_lock_dirs(|line| store.ctx().say(line))?;
     // A class whose limits cannot be read is not listed: said why, once.
     let classes = slots::classes(&root).into_iter();
-    for (class, _) in classes.filter(|(_, c)| *c == crate::slot_limits::Class::Damaged) {
+    let damaged: Vec<_> = classes
+        .filter(|(_, c)| *c == crate::slot_limits::Class::Damaged)
+        .collect();
+    for (class, _) in &damaged {
         // Read again: advice to set them again only for limits read and found bad.
-        let why = match slots::read_class(&root, &class) {
+        let why = match slots::read_class(&root, class) {
             Err(e) => format!("{e:#}"),
             Ok(crate::slot_limits::Class::Damaged) => format!(
                 "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
@@ -140,6 +143,10 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
             })
             .collect();
         return super::print_json(&out).map(|()| 0);
+    }
+    // A damaged class is one, said above: not "no slot classes".
+    if reports.is_empty() && !damaged.is_empty() {
+        return Ok(0);
     }
     if reports.is_empty() {
         let none =

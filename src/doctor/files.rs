@@ -95,6 +95,24 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
     out
 }
 
+/// Classes whose record cannot be read (one read per class; asked of a migrated store, whose class
+/// files are records): every acquirer of one is refused until it is set again. A `0.lock` that is
+/// no file is reported as planted by [`check`]; an empty one, of a removed class, is no class.
+pub(super) fn class_records(root: &Root, report: &mut Report) {
+    use crate::slot_limits::Class::Damaged;
+    for (class, found) in crate::slots::classes(root) {
+        // Read again only where `classes` found no limits: told from a file that cannot be opened.
+        if found != Damaged || !matches!(crate::slots::read_class(root, &class), Ok(Damaged)) {
+            continue;
+        }
+        let path = root
+            .slot_class_dir(&class)
+            .join(Kind::Normal(0).file_name());
+        let shown = path.display();
+        report.add("slots", Problem, format!("the limits of slot class '{class}' in {shown} are damaged: 'stowage exec --slot {class}' is refused until they are set again with 'stowage slots set {class} LIMIT'"));
+    }
+}
+
 /// Whether `name` holds an image's record: only stowage writes one, so a second name for it is
 /// another store's lock file (`cp -al`), not an outside file a plant would have stowage write.
 fn holds_a_record(dir: &Dir, name: &str) -> bool {

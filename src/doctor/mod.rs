@@ -6,7 +6,7 @@
 //!   an unusable catalog is set aside (never deleted) and made anew from the records.
 //! - An image whose state cannot be known (a damaged record) is reported, never removed.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -225,6 +225,7 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
         report.add("records", Info, detail);
         return Ok(false);
     }
+    files::class_records(root, report);
     records(store, repair, report)?;
     if configured {
         trees(store, repair, report)?;
@@ -374,12 +375,18 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             .map(|t| format!(" (to {})", t.display()))
             .unwrap_or_default();
         let users_own = name == "img" && bad.starts_with("a symlink");
+        // Records it leads to (a directory of them moved elsewhere, linked back): set aside with it.
+        let records = root.records_in_place_of(name);
+        let kept = match records {
+            0 => String::new(),
+            n => format!("; it leads to {n} image record(s): {}", held_back_advice(&path)),
+        };
         if repair && !users_own {
             let fixed = root.replace_with_dir(name);
             match &fixed {
                 Ok(aside) => {
                     let aside = aside.display();
-                    report.add("layout", Repaired, format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place"));
+                    report.add("layout", Repaired, format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place{kept}"));
                 }
                 Err(e) => report.add("layout", Problem, format!("{shown} is {bad}{target}: {e:#}")),
             }
@@ -389,11 +396,20 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             format!(" — {}", crate::planted::IMG_LINK)
         } else {
             report.by_repair();
-            " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew".to_owned()
+            format!(" — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew{kept}")
         };
         report.add("layout", Problem, format!("{shown} is {bad}{target}{advice}"));
         false
     })
+}
+
+/// What becomes of trees whose records a repair sets aside with layout directory `place`, and how
+/// they are used again.
+fn held_back_advice(place: &Path) -> String {
+    let place = place.display();
+    format!(
+        "no tree is adopted while they are set aside (adopted, each image would lose its state and base); to use them, move the directory it leads to to {place}, in place of the empty one a repair makes there"
+    )
 }
 
 /// What goes on without a catalog that cannot be used, and how it is put right.
@@ -765,9 +781,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         (e.seen.record.as_ref())
             .is_some_and(|r| stands_for_its_tree(r, r.state_seen(e.writer_alive)))
     };
-    let listed = images.names();
+    let listed = images.listing();
     let listed = listed.with_context(|| format!("cannot list images directory {}", dir.display()));
-    let listed: HashSet<_> = listed?.into_iter().collect();
+    // Each entry's type as the listing gives it: a tree that is no directory costs no stat.
+    let listed: HashMap<_, _> = listed?.into_iter().map(|e| (e.name, e.kind)).collect();
     if listed.is_empty() && entries.iter().any(stand) {
         report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
@@ -776,6 +793,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         crate::images_dir::record_identity(&root, &mut config, false, || store.global(None))?;
     }
     let (mut named, mut foreign, mut gone) = (HashSet::new(), Vec::new(), Vec::new());
+    let mut not_trees = Vec::new();
     for e in &entries {
         // A record that cannot be read is still the image's: reported under "records". An empty
         // lock file names nothing: its tree is an orphan.
@@ -791,11 +809,13 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             continue;
         };
         // By the listing, asked now: a client's cached lookup may miss a tree made on another host.
-        let there = listed.contains(std::ffi::OsStr::new(n.encoded()));
-        if !there && stand(e) {
-            gone.push(n);
+        match listed.get(std::ffi::OsStr::new(n.encoded())) {
+            None if stand(e) => gone.push(n),
+            Some(&kind) if stand(e) && kind != libc::DT_DIR => not_trees.push((n, kind)),
+            _ => {}
         }
     }
+    no_directory(&images, &dir, &not_trees, report);
     if !foreign.is_empty() {
         report.add("images", Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
@@ -822,6 +842,9 @@ fn orphan_trees(
     for (entry, why) in &orphans.skipped {
         let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
         report.add("images", Info, detail);
+    }
+    if held_back(store.root(), orphans, &shown, report) {
+        return Ok(());
     }
     let (how, state) = match config.adopting {
         true => (Adopt::AsReady, "ready"),
@@ -858,10 +881,69 @@ fn orphan_trees(
     Ok(())
 }
 
+/// Whether trees without a record are held back from adoption: records a repair set aside with a
+/// layout directory (a symlink in `locks`' or `locks/images`' place) may be theirs. Reported.
+fn held_back(
+    root: &Root,
+    orphans: &adopt::Orphans,
+    shown: &std::path::Display,
+    report: &mut Report,
+) -> bool {
+    if orphans.trees.is_empty() {
+        return false;
+    }
+    let aside = root.records_set_aside();
+    let Some((at, to, n)) = aside.first() else {
+        return false;
+    };
+    let to = to
+        .as_ref()
+        .map_or_else(String::new, |t| format!(", to {}", t.display()));
+    let names: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
+    // `locks.planted-*` holds the whole of `locks`; `locks/images.planted-*` the records alone.
+    let whole = at
+        .file_name()
+        .is_some_and(|f| f.to_string_lossy().starts_with("locks."));
+    let advice = held_back_advice(&if whole {
+        root.locks()
+    } else {
+        root.image_locks()
+    });
+    let at = at.display();
+    let have = if names.len() == 1 { "has" } else { "have" };
+    report.naming("images", Problem, &names, |names| {
+        format!("{names} in {shown} {have} no record, but {n} image record(s) are set aside in {at}{to}: {advice}; if they are not this store's, remove {at}")
+    });
+    true
+}
+
 /// Whether a record in `state` says no more than its tree, so that tree gone, the image is: a
 /// ready one's or an adopted one's (kept forever if adopted from a client's stale lookup).
 fn stands_for_its_tree(r: &Record, state: State) -> bool {
     state == State::Ready || (state == State::Incomplete && r.outcome.as_deref() == Some(ADOPTED))
+}
+
+/// Ready or adopted images whose tree in `images` (at `dir`) is no directory (a FIFO, a file, a
+/// symlink put in its place): reported, never removed by a repair (what is there is not ours).
+fn no_directory(images: &Dir, dir: &Path, found: &[(ImageName, u8)], report: &mut Report) {
+    for (n, kind) in found {
+        let enc = n.encoded();
+        // `d_type` says `DT_UNKNOWN` where the filesystem does not tell: asked by a stat.
+        let mode = match *kind {
+            libc::DT_UNKNOWN => match images.stat_at(enc) {
+                Ok(Some(st)) if !st.is_dir() => st.mode,
+                _ => continue,
+            },
+            kind => u32::from(kind) << 12,
+        };
+        let what = crate::planted::kind_name(mode);
+        let to = nix::fcntl::readlinkat(images, enc).map_or_else(
+            |_| String::new(),
+            |t| format!(" (to {})", Path::new(&t).display()),
+        );
+        let tree = dir.join(enc);
+        report.add("images", Problem, format!("image '{n}' is recorded, but its tree {} is {what}{to}, not a directory: a read of it finds no image tree; it is left as it is (a repair deletes nothing it did not make): move it away and write the image anew, or 'stowage rm {n}'", tree.display()));
+    }
 }
 
 /// Ready or adopted records whose trees are gone (deleted by hand): the image is gone.

@@ -711,6 +711,10 @@ pub struct FileSet {
     files: Vec<Option<File>>,
     /// Files found not to be regular files (planted): no slot, never held.
     skip: Vec<bool>,
+    /// Files found planted, each told once by [`FileSet::replaced`].
+    planted: Vec<bool>,
+    /// Whether a path was found to hold another file than the one opened, or something planted.
+    replaced: bool,
 }
 
 impl FileSet {
@@ -718,8 +722,21 @@ impl FileSet {
         FileSet {
             files: paths.iter().map(|_| None).collect(),
             skip: vec![false; paths.len()],
+            planted: vec![false; paths.len()],
+            replaced: false,
             paths,
         }
+    }
+
+    /// Whether, since last asked, a file was found replaced at its path or planted: what the
+    /// waiter read of the class's files may be wrong now (a planted record file refuses the class),
+    /// and none of the closes it sleeps on may come.
+    pub fn replaced(&mut self) -> bool {
+        std::mem::take(&mut self.replaced)
+    }
+
+    fn found_planted(&mut self, i: usize) {
+        self.replaced |= !std::mem::replace(&mut self.planted[i], true);
     }
 
     pub fn paths(&self) -> &[PathBuf] {
@@ -740,7 +757,10 @@ impl FileSet {
                 match open(&self.paths[i], IfMissing::Create) {
                     Ok(f) => self.files[i] = Some(f),
                     // A plant under a slot's name is no slot (doctor reports it).
-                    Err(e) if crate::planted::find(&e).is_some() => continue,
+                    Err(e) if crate::planted::find(&e).is_some() => {
+                        self.found_planted(i);
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -750,6 +770,7 @@ impl FileSet {
                 Ok(false) => continue,
                 Err(e) if is_stale(&e) => {
                     self.files[i] = None;
+                    self.replaced = true;
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -760,12 +781,13 @@ impl FileSet {
                     let g = guard(file, &self.paths[i], Mode::Exclusive, Some(linked));
                     return Ok(Some((i, g)));
                 }
-                Ok(None) => {}
+                Ok(None) => self.replaced = true,
                 // A FIFO: kept open (a close would wake the waiters), skipped from now on.
                 Err(e) if crate::planted::find(&e).is_some() => {
                     let _ = FileExt::unlock(&file);
                     self.files[i] = Some(file);
                     self.skip[i] = true;
+                    self.found_planted(i);
                 }
                 Err(e) => return Err(e),
             }
@@ -794,6 +816,7 @@ impl FileSet {
                     Ok(None) => continue,
                     Err(e) if crate::planted::find(&e).is_some() => {
                         self.skip[i] = true;
+                        self.found_planted(i);
                         continue;
                     }
                     Err(e) => return Err(e),

@@ -1331,3 +1331,65 @@ fn doctor_sends_to_a_repair_only_what_a_repair_puts_right() {
     assert!(stdout(&out).contains(advice), "{}", show(&out));
     env.ok(["doctor", "--repair"]);
 }
+
+/// A ready image whose tree is a FIFO, a symlink or a file put in its
+/// place is a problem naming the image and what is there, and a repair
+/// leaves it (stowage did not make it). Only an absent tree counted: doctor
+/// and its repair said nothing and exited 0.
+#[test]
+fn a_ready_image_whose_tree_is_no_directory_is_reported_and_left() {
+    for (plant, word) in [
+        (Plant::Fifo, "a FIFO"),
+        (Plant::Symlink, "a symlink"),
+        (Plant::Empty, "a regular file"),
+    ] {
+        let env = Env::new();
+        env.make_image("base");
+        let tree = env.root.join("img/base");
+        fs::remove_dir_all(&tree).unwrap();
+        plant.at(&tree, &env.scratch);
+        let named = format!(
+            "image 'base' is recorded, but its tree {} is {word}",
+            tree.display()
+        );
+        for args in [&["doctor"][..], &["doctor", "--repair"]] {
+            let out = env.run(args);
+            assert_eq!(code(&out), Some(1), "{plant:?} {args:?}: {}", show(&out));
+            assert!(
+                stdout(&out).contains(&named),
+                "{plant:?} {args:?}: {}",
+                show(&out)
+            );
+        }
+        assert!(plant.is_at(&tree), "{plant:?}: the repair moved it");
+        assert_eq!(env.state("base").as_deref(), Some("ready"));
+    }
+}
+
+/// A slot class whose record in `0.lock` is damaged, which refuses every
+/// `exec --slot` of it, is a problem doctor names (it said nothing, exit 0),
+/// and `slots` says it is damaged, not "no slot classes".
+#[test]
+fn a_damaged_slot_class_record_is_reported() {
+    let env = Env::new();
+    env.ok(["slots", "set", "build", "1"]);
+    let zero = env.root.join("locks/slots/build/0.lock");
+    fs::write(&zero, "junk\n").unwrap();
+    let out = env.run(["exec", "--slot", "build", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let named = format!("slot class 'build' in {} are damaged", zero.display());
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(stdout(&out).contains(&named), "{args:?}: {}", show(&out));
+    }
+    let out = env.run(["slots"]);
+    assert!(!stdout(&out).contains("no slot classes"), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'build' are damaged"),
+        "{}",
+        show(&out)
+    );
+    env.ok(["slots", "set", "build", "1"]);
+    env.ok(["doctor"]);
+}

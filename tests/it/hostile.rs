@@ -276,6 +276,55 @@ fn nothing_is_deleted_through_a_symlinked_lock_directory() {
     assert!(env.root.join("locks/images").is_dir());
 }
 
+/// `locks/images` (or all of `locks`) moved elsewhere with the store's
+/// records and linked back: a plain doctor says how many records the link
+/// leads to; the repair that sets the link aside adopts no tree, nor does a
+/// later repair or `init`, while the records are set aside (the repair
+/// adopted every tree as `incomplete` at once: ready images unreadable,
+/// `app`'s base lost; `init` then adopted them `ready`). Put back, every
+/// image is as it was.
+#[test]
+fn records_behind_a_symlinked_lock_directory_are_never_adopted_over() {
+    for planted in ["locks/images", "locks"] {
+        let env = Env::new();
+        env.make_image("base");
+        env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+        let (link, real) = (env.root.join(planted), env.tmp.path().join("real"));
+        fs::rename(&link, &real).unwrap();
+        symlink(&real, &link).unwrap();
+        let out = env.run(["doctor"]);
+        assert_eq!(code(&out), Some(1), "{planted}: {}", show(&out));
+        let leads = "it leads to 2 image record(s)";
+        assert!(stdout(&out).contains(leads), "{planted}: {}", show(&out));
+        for (args, ends) in [
+            (&["doctor", "--repair"][..], 1),
+            (&["doctor", "--repair"], 1),
+            (&["init"], 0),
+        ] {
+            let out = env.run(args);
+            assert_eq!(code(&out), Some(ends), "{planted} {args:?}: {}", show(&out));
+            let said = format!("{}{}", stdout(&out), stderr(&out));
+            assert!(said.contains("set aside in"), "{planted} {args:?}: {said}");
+            assert_eq!(env.state("base"), None, "{planted} {args:?}: adopted");
+        }
+        // Put back as the report says: the directory the link led to in place.
+        fs::remove_dir_all(&link).unwrap();
+        fs::rename(&real, &link).unwrap();
+        let parent = link.parent().unwrap();
+        let prefix = format!("{}.planted-", link.file_name().unwrap().to_str().unwrap());
+        for e in fs::read_dir(parent).unwrap().flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                fs::remove_file(e.path()).unwrap();
+            }
+        }
+        env.ok(["doctor"]);
+        assert_eq!(env.state("base").as_deref(), Some("ready"), "{planted}");
+        let app = env.image("app").unwrap();
+        assert_eq!(app["state"], "ready", "{planted}: {app}");
+        assert_eq!(app["base"], "base", "{planted}: {app}");
+    }
+}
+
 #[test]
 fn rm_of_an_image_dir_swapped_for_a_symlink_removes_only_the_link() {
     let env = Env::new();

@@ -150,6 +150,38 @@ fn a_planted_first_slot_file_is_named_and_set_aside() {
     }
 }
 
+/// A slot class's `0.lock`, which carries its limits, replaced by something
+/// that is no file while a waiter waits (the old file moved aside, still
+/// held): once the holder lets go the waiter ends with the refusal a newcomer
+/// gets, naming what is there, and runs nothing. It waited on for ever: the
+/// try after the close found the path no longer its file and slept on. Its
+/// `--wait` ends before the waiter's periodic look at the class would.
+#[test]
+fn a_slot_waiter_whose_class_record_file_is_replaced_ends_with_the_refusal() {
+    for plant in Plant::NOT_FILES {
+        let env = Env::new();
+        env.ok(["slots", "set", "build", "1"]);
+        let holder = env.hold(&["--slot", "build"], "started");
+        let ran = env.sentinel("ran");
+        let touch = ["touch", ran.to_str().unwrap()];
+        let args = ["exec", "--slot", "build", "--wait", "25", "--"];
+        let waiter = env.spawn(args.iter().chain(&touch));
+        env.wait_for_slot_waiters("build", 1);
+        let zero = env.root.join("locks/slots/build/0.lock");
+        fs::rename(&zero, zero.with_extension("lock.x")).unwrap();
+        plant.at(&zero, env.tmp.path());
+        env.release("release");
+        assert_eq!(code(&holder.finish()), Some(0), "{plant:?}");
+        let named = format!("{} is {}", zero.display(), plant.word());
+        let out = waiter.finish();
+        assert_eq!(code(&out), Some(1), "{plant:?}: {}", show(&out));
+        assert!(stderr(&out).contains(&named), "{plant:?}: {}", show(&out));
+        assert!(!ran.exists(), "{plant:?}: the waiter ran its command");
+        let out = env.run(args.iter().chain(&touch));
+        assert!(stderr(&out).contains(&named), "{plant:?}: {}", show(&out));
+    }
+}
+
 /// A file where a slot class's directory belongs is called what it is, in
 /// place of what: "a regular file, not a directory" (it said "a regular
 /// file, not a regular file").
