@@ -220,10 +220,12 @@ seconds() {
 # The deadline of --wait ($wait_text; uptime_ms, empty for none), set once
 # when the wrapper starts: every wait it does, its own and stowage's, draws
 # on it, so that --wait bounds them all together rather than each anew. A
-# time this parser refuses is handed to stowage, whose message refuses it.
+# time this parser refuses is handed to stowage, whose message refuses it;
+# so is an empty one ($wait_given: --wait was given), which stowage refuses
+# too, and which must not read as "no --wait" (wait for ever).
 start_deadline() {
     deadline= wait_ms=
-    [ -n "$wait_text" ] || return 0
+    [ -n "$wait_given" ] || return 0
     wait_ms=$(time_ms "$wait_text") || {
         "${stowage[@]}" exec --wait "$wait_text" -- true >/dev/null || exit
         fail 64 "--wait $wait_text: not a time"

@@ -308,7 +308,8 @@ fn ch_build_waits_for_a_base_as_long_as_a_time_with_a_unit_says() {
     let locks = tree(&ch.env.root.join("locks"));
     // Each refused as stowage refuses it (before, "1 0" read as 10 s, and a
     // number past 64 bits wrapped round to a short wait).
-    for bad in ["10x", "inf", "-1", "1 0", "18446744073710"] {
+    // An empty time too: before, it read as no --wait, waiting for ever.
+    for bad in ["10x", "inf", "-1", "1 0", "18446744073710", ""] {
         let out = output(ch.ch_build(["--wait", bad, "-t", "x", "-f", &df]));
         assert_eq!(out.status.code(), Some(64), "{bad}: {}", show(&out));
         let said = stderr(&out);
@@ -325,13 +326,22 @@ fn ch_build_waits_for_a_base_as_long_as_a_time_with_a_unit_says() {
 }
 
 /// ch-delete's --wait takes units too: 500ms gives up on a base being
-/// read (75), 1m outlasts the reader.
+/// read (75), 1m outlasts the reader. An empty time is refused as stowage
+/// refuses it (before, it read as no --wait: wait for ever).
 #[test]
 fn ch_delete_waits_as_long_as_a_time_with_a_unit_says() {
     let Some(ch) = Ch::new() else { return };
     ch.env.ok(["slots", "set", "ch-cache", "1"]);
     ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
     assert_ok(output(ch.ch_build(["-t", "app"])));
+    for given in [&["--wait", ""][..], &["--wait="][..]] {
+        let mut c = ch.command(CH_DELETE);
+        c.args(given).arg("app");
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(64), "{given:?}: {}", show(&out));
+        assert!(stderr(&out).contains("not a time"), "{}", show(&out));
+        assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+    }
     let reader = ch.env.hold_until(&["--read", "app"], "held", "release");
     let mut c = ch.command(CH_DELETE);
     c.args(["--wait", "500ms", "app"]);
