@@ -197,6 +197,67 @@ fn ch_build_and_ch_delete_work_with_the_root_named_either_way() {
     assert!(!ch.env.tmp.path().join("elsewhere").exists());
 }
 
+/// The root is checked before anything is planned or advised: ch-delete
+/// of a name this storage directory lacks, under another store's root
+/// that keeps a ready image of that name, is refused as any wrong root
+/// is, and never advises the `stowage rm` that would delete that image;
+/// a mistyped root is named, whatever the glob matches (before: a Python
+/// traceback). ch-build likewise names the root before refusing its
+/// Dockerfile.
+#[test]
+fn the_wrappers_check_the_root_before_they_plan() {
+    let Some(ch) = Ch::new() else { return };
+    let other = ch.env.tmp.path().join("other.stowage");
+    let other_img = ch.env.tmp.path().join("other-img");
+    fs::create_dir(&other_img).unwrap();
+    let mut stowage = ch.command(bin());
+    stowage
+        .arg("--root")
+        .arg(&other)
+        .arg("init")
+        .arg("--images-dir")
+        .arg(&other_img);
+    assert_ok(output(stowage));
+    let mut stowage = ch.command(bin());
+    stowage.arg("--root").arg(&other).args([
+        "exec",
+        "--write",
+        "precious",
+        "--",
+        "sh",
+        "-c",
+        "echo data > \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    assert_ok(output(stowage));
+    for how in [Naming::Flag, Naming::Env] {
+        let out = output(naming(ch.command(CH_DELETE), how, &other, &["precious"]));
+        assert_eq!(out.status.code(), Some(64), "{how:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("keeps images of its own"), "{}", show(&out));
+        assert!(!err.contains(" rm "), "{}", show(&out));
+    }
+    assert!(other_img.join("precious/file").is_file());
+
+    let typo = ch.env.tmp.path().join("rooot");
+    let out = output(naming(
+        ch.command(CH_DELETE),
+        Naming::Flag,
+        &typo,
+        &["nomatch*"],
+    ));
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("does not exist"), "{}", show(&out));
+    assert!(!stderr(&out).contains("Traceback"), "{}", show(&out));
+
+    ch.dockerfile("Dockerfile", "FROM --platform=x base\nRUN true\n");
+    let mut c = naming(ch.command(CH_BUILD), Naming::Flag, &typo, &["-t", "next"]);
+    c.arg(&ch.ctx);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("does not exist"), "{}", show(&out));
+    assert!(!typo.exists());
+}
+
 /// `bash -c '. ch-wrapper.bash; FUNCTION ARG'`.
 fn wrapper_fn(function: &str, arg: &str) -> Output {
     let mut c = Command::new("bash");
