@@ -1391,6 +1391,43 @@ fn a_copy_of_a_cache_linked_base_leaves_the_build_cache_whole() {
     assert_ok(output(delete));
 }
 
+/// ch-image writes the storage path it is given into every linked image's
+/// .git, and a cache-mode command given another spelling rewrites them
+/// all, holding none of their locks. The wrappers give it one spelling,
+/// the real path, however CH_IMAGE_STORAGE names the storage: a --cache
+/// build and a delete through a symlinked name leave base/.git as it was
+/// (before, both rewrote it to the symlink's spelling).
+#[test]
+fn the_wrappers_give_ch_image_one_spelling_of_the_storage() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    let link = ch.env.tmp.path().join("storage-link");
+    std::os::unix::fs::symlink(&ch.storage, &link).unwrap();
+    let git = ch.img("base/.git");
+    let before = (
+        fs::read(&git).unwrap(),
+        fs::metadata(&git).unwrap().modified().unwrap(),
+    );
+    let df = ch.dockerfile("Dockerfile.c", "FROM base\nRUN echo c > /which\n");
+    let mut build = ch.ch_build(["--cache", "-t", "viasym", "-f", &df]);
+    build.env("CH_IMAGE_STORAGE", &link);
+    assert_ok(output(build));
+    assert_eq!(ch.file("viasym", "which"), "c");
+    let mut delete = ch.command(CH_DELETE);
+    delete.env("CH_IMAGE_STORAGE", &link).arg("viasym");
+    assert_ok(output(delete));
+    assert!(!ch.img("viasym").exists());
+    let after = (
+        fs::read(&git).unwrap(),
+        fs::metadata(&git).unwrap().modified().unwrap(),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&after.0),
+        String::from_utf8_lossy(&before.0)
+    );
+    assert_eq!(after.1, before.1, "base/.git was written");
+}
+
 /// An image stowage records without a directory (its build stopped before
 /// ch-image made it) is one ch-image cannot see: ch-delete says so and
 /// names the `stowage rm` that removes it, which then works.
