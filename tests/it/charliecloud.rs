@@ -1298,6 +1298,60 @@ fn a_dependency_chain_launched_at_once_builds() {
     assert!(!ch.img("x").exists());
 }
 
+/// A chain's base whose build ends before it makes the base's directory
+/// (stopped just after taking its lock) is recorded incomplete, with
+/// nobody holding it: the dependent build waiting for it to start says at
+/// once that it is not ready (66), instead of waiting its whole --wait and
+/// then advising an import. An incomplete record there before the wait
+/// began is an earlier failure: a chain launched again still waits for the
+/// base's new build.
+#[test]
+fn a_chain_ends_at_once_when_its_base_build_stops_before_making_it() {
+    let Some(ch) = Ch::new() else { return };
+    let app_df = ch.dockerfile("Dockerfile.app", "FROM mid\nRUN echo app > /app\n");
+    let flag = ch.env.tmp.path().join("held");
+    let go = ch.env.tmp.path().join("go");
+    // mid's "build": takes mid's lock, is stopped before a directory is made.
+    let script = format!(
+        "rmdir \"$STOWAGE_IMAGE_DIR\" && touch '{}' && i=0 && \
+         while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; exit 1",
+        flag.display(),
+        go.display()
+    );
+    let mid = Bg::from_command(ch.stowage(["exec", "--write", "mid", "--", "sh", "-c", &script]));
+    wait_for_file(&flag);
+    let waiting = |name: &str| {
+        let log = ch.env.tmp.path().join(name);
+        let mut c = ch.ch_build(["--wait", "20", "-t", "app", "-f", &app_df]);
+        c.stderr(fs::File::create(&log).unwrap());
+        let app = Bg::from_command_keep_stderr(c);
+        wait_until("ch-build waits for 'mid' to be started", || {
+            fs::read_to_string(&log).is_ok_and(|l| l.contains("waits for base 'mid'"))
+        });
+        (app, log)
+    };
+    let (app, log) = waiting("app1.log");
+    fs::write(&go, "").unwrap();
+    assert_eq!(mid.finish().status.code(), Some(1));
+    assert_eq!(ch.env.state("mid").as_deref(), Some("incomplete"));
+    let out = app.finish();
+    let said = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(66), "{said}");
+    assert!(said.contains("not ready (state: incomplete)"), "{said}");
+    assert!(!said.contains("import or pull it first"), "{said}");
+    assert!(!ch.img("app").exists());
+
+    // Launched again, the chain waits for mid's new build.
+    let (app, _) = waiting("app2.log");
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let mid = ch.build("mid", "m2");
+    ch.wait_started("mid", "m2");
+    ch.go("mid", "m2");
+    assert_ok(mid.finish());
+    assert_ok(app.finish());
+    assert_eq!(ch.file("app", "app"), "app");
+}
+
 /// A cache-mode import (it renames through STORAGE/imgtmp, which no other
 /// ch-image command may see) runs under --store-wide while builds come and
 /// go, recorded by an exec --write inside the hold: builds then read the
