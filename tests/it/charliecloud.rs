@@ -1298,6 +1298,68 @@ fn a_dependency_chain_launched_at_once_builds() {
     assert!(!ch.img("x").exists());
 }
 
+/// ch-build reads the Dockerfile once: the locks it plans are those of the
+/// build that runs. A build queued behind another build of its tag runs
+/// the Dockerfile as it was planned, not as it was edited while it waited
+/// (before, it ran the edit: here a new stage, written as `app_stage0`
+/// with no lock and no record).
+#[test]
+fn a_build_runs_the_dockerfile_it_planned() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let first = ch.build("app", "first");
+    ch.wait_started("app", "first");
+    let df = ch.dockerfile("Dockerfile.2", "FROM base\nRUN echo planned > /v\n");
+    let second = Bg::from_command(ch.ch_build(["-t", "app", "-f", &df]));
+    ch.env.wait_for_waiter("app");
+    ch.dockerfile(
+        "Dockerfile.2",
+        "FROM base AS s\nRUN true\nFROM base\nRUN echo edited > /v\n",
+    );
+    ch.go("app", "first");
+    assert_ok(first.finish());
+    assert_ok(second.finish());
+    assert_eq!(ch.file("app", "v"), "planned");
+    assert!(!ch.img("app_stage0").exists());
+    assert_eq!(ch.stowage_list(), ["app", "base"]);
+    assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+}
+
+/// A Dockerfile on a pipe (`-f -`, `-f /dev/stdin`, `-f <(...)`), which
+/// plain ch-image takes, is read once, whole, for the plan and the build
+/// alike: before, ch-plan used the pipe up and ch-image read it empty under
+/// the locks, leaving a ready image `incomplete` and a new tag a record
+/// with no directory (`-f -` was refused). A refusal names the file as
+/// given.
+#[test]
+fn a_dockerfile_on_a_pipe_is_read_once() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", "FROM base\nRUN echo first > /id\n");
+    assert_ok(output(ch.ch_build(["-t", "ps1"])));
+    let piped = |text: &str, args: &str| {
+        let mut c = ch.command("sh");
+        c.args([
+            "-c",
+            &format!("printf '{text}' | \"$0\" {args} \"$1\""),
+            CH_BUILD,
+        ])
+        .arg(&ch.ctx);
+        output(c)
+    };
+    assert_ok(piped(
+        "FROM base\\nRUN echo piped > /id\\n",
+        "-t ps1 -f /dev/stdin",
+    ));
+    assert_eq!(ch.file("ps1", "id"), "piped");
+    assert_eq!(ch.env.state("ps1").as_deref(), Some("ready"));
+    assert_ok(piped("FROM base\\nRUN echo new > /id\\n", "-t psn -f -"));
+    assert_eq!(ch.file("psn", "id"), "new");
+    let out = piped("FROM base\\nBOGUS x\\n", "-t psbad -f -");
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("can't parse: -:"), "{}", show(&out));
+    assert_eq!(ch.env.state("psbad"), None);
+}
+
 /// A chain's base whose build ends before it makes the base's directory
 /// (stopped just after taking its lock) is recorded incomplete, with
 /// nobody holding it: the dependent build waiting for it to start says at

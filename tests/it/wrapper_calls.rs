@@ -480,9 +480,9 @@ fn a_signal_while_ch_build_waits_for_its_locks_leaves_nothing() {
     assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
 }
 
-/// Ctrl-C while ch-build asks ch-image for its plan (ch-image reads the
-/// Dockerfile, here a FIFO nobody writes) ends it with 130, quietly and
-/// before anything exists.
+/// Ctrl-C while ch-build reads the Dockerfile for its plan (here a FIFO
+/// nobody writes; ch-build reads it once, for the plan and the build) ends
+/// it with 130, quietly and before anything exists.
 #[test]
 fn ctrl_c_while_ch_build_plans_ends_it_quietly() {
     let Some(ch) = Ch::new() else { return };
@@ -492,7 +492,7 @@ fn ctrl_c_while_ch_build_plans_ends_it_quietly() {
     let locks = tree(&ch.env.root.join("locks"));
     let b = Bg::from_command(ch.ch_build(["-t", "app", "-f", fifo.to_str().unwrap()]));
     // Opening a FIFO to write without blocking succeeds once a reader has it
-    // open: ch-image, inside ch-plan, is then reading the Dockerfile.
+    // open: ch-build is then reading the Dockerfile.
     let mut writer = None;
     wait_until("ch-plan opens the Dockerfile", || {
         writer = fs::OpenOptions::new()
