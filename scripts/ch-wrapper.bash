@@ -12,7 +12,12 @@ fail() {
 }
 
 # Sets S from $CH_IMAGE_STORAGE: absolute, and a storage directory already
-# (ch-image would initialise a missing one; a wrapper must not).
+# (ch-image would initialise a missing one; a wrapper must not). S is its
+# real path, symlinks resolved, whatever spelling names it: ch-image writes
+# the path it is given into every linked image's .git, and a cache-mode
+# command that is given another spelling rewrites them all, holding none of
+# their locks. One that cannot be resolved is left as given, for the
+# checks below to name.
 storage_dir() {
     S=${CH_IMAGE_STORAGE:-}
     case $S in
@@ -20,6 +25,7 @@ storage_dir() {
         '') fail 64 'CH_IMAGE_STORAGE is not set (the storage directory, absolute)' ;;
         *) fail 64 "CH_IMAGE_STORAGE must be absolute: $S" ;;
     esac
+    S=$(realpath -e -- "$S" 2>/dev/null) || S=$CH_IMAGE_STORAGE
     [ -d "$S/img" ] || ! present "$S/img" || fail 66 "$S/img is not a directory (a storage directory's images are there)"
     [ -d "$S/img" ] || fail 66 "$S is not a Charliecloud storage directory (no $S/img); set it up first (docs/charliecloud.md)"
 }
@@ -220,10 +226,12 @@ seconds() {
 # The deadline of --wait ($wait_text; uptime_ms, empty for none), set once
 # when the wrapper starts: every wait it does, its own and stowage's, draws
 # on it, so that --wait bounds them all together rather than each anew. A
-# time this parser refuses is handed to stowage, whose message refuses it.
+# time this parser refuses is handed to stowage, whose message refuses it;
+# so is an empty one ($wait_given: --wait was given), which stowage refuses
+# too, and which must not read as "no --wait" (wait for ever).
 start_deadline() {
     deadline= wait_ms=
-    [ -n "$wait_text" ] || return 0
+    [ -n "$wait_given" ] || return 0
     wait_ms=$(time_ms "$wait_text") || {
         "${stowage[@]}" exec --wait "$wait_text" -- true >/dev/null || exit
         fail 64 "--wait $wait_text: not a time"

@@ -1299,6 +1299,122 @@ fn a_dependency_chain_launched_at_once_builds() {
     assert!(!ch.img("x").exists());
 }
 
+/// ch-build reads the Dockerfile once: the locks it plans are those of the
+/// build that runs. A build queued behind another build of its tag runs
+/// the Dockerfile as it was planned, not as it was edited while it waited
+/// (before, it ran the edit: here a new stage, written as `app_stage0`
+/// with no lock and no record).
+#[test]
+fn a_build_runs_the_dockerfile_it_planned() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let first = ch.build("app", "first");
+    ch.wait_started("app", "first");
+    let df = ch.dockerfile("Dockerfile.2", "FROM base\nRUN echo planned > /v\n");
+    let second = Bg::from_command(ch.ch_build(["-t", "app", "-f", &df]));
+    ch.env.wait_for_waiter("app");
+    ch.dockerfile(
+        "Dockerfile.2",
+        "FROM base AS s\nRUN true\nFROM base\nRUN echo edited > /v\n",
+    );
+    ch.go("app", "first");
+    assert_ok(first.finish());
+    assert_ok(second.finish());
+    assert_eq!(ch.file("app", "v"), "planned");
+    assert!(!ch.img("app_stage0").exists());
+    assert_eq!(ch.stowage_list(), ["app", "base"]);
+    assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+}
+
+/// A Dockerfile on a pipe (`-f -`, `-f /dev/stdin`, `-f <(...)`), which
+/// plain ch-image takes, is read once, whole, for the plan and the build
+/// alike: before, ch-plan used the pipe up and ch-image read it empty under
+/// the locks, leaving a ready image `incomplete` and a new tag a record
+/// with no directory (`-f -` was refused). A refusal names the file as
+/// given.
+#[test]
+fn a_dockerfile_on_a_pipe_is_read_once() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", "FROM base\nRUN echo first > /id\n");
+    assert_ok(output(ch.ch_build(["-t", "ps1"])));
+    let piped = |text: &str, args: &str| {
+        let mut c = ch.command("sh");
+        c.args([
+            "-c",
+            &format!("printf '{text}' | \"$0\" {args} \"$1\""),
+            CH_BUILD,
+        ])
+        .arg(&ch.ctx);
+        output(c)
+    };
+    assert_ok(piped(
+        "FROM base\\nRUN echo piped > /id\\n",
+        "-t ps1 -f /dev/stdin",
+    ));
+    assert_eq!(ch.file("ps1", "id"), "piped");
+    assert_eq!(ch.env.state("ps1").as_deref(), Some("ready"));
+    assert_ok(piped("FROM base\\nRUN echo new > /id\\n", "-t psn -f -"));
+    assert_eq!(ch.file("psn", "id"), "new");
+    let out = piped("FROM base\\nBOGUS x\\n", "-t psbad -f -");
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("can't parse: -:"), "{}", show(&out));
+    assert_eq!(ch.env.state("psbad"), None);
+}
+
+/// A chain's base whose build ends before it makes the base's directory
+/// (stopped just after taking its lock) is recorded incomplete, with
+/// nobody holding it: the dependent build waiting for it to start says at
+/// once that it is not ready (66), instead of waiting its whole --wait and
+/// then advising an import. An incomplete record there before the wait
+/// began is an earlier failure: a chain launched again still waits for the
+/// base's new build.
+#[test]
+fn a_chain_ends_at_once_when_its_base_build_stops_before_making_it() {
+    let Some(ch) = Ch::new() else { return };
+    let app_df = ch.dockerfile("Dockerfile.app", "FROM mid\nRUN echo app > /app\n");
+    let flag = ch.env.tmp.path().join("held");
+    let go = ch.env.tmp.path().join("go");
+    // mid's "build": takes mid's lock, is stopped before a directory is made.
+    let script = format!(
+        "rmdir \"$STOWAGE_IMAGE_DIR\" && touch '{}' && i=0 && \
+         while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; exit 1",
+        flag.display(),
+        go.display()
+    );
+    let mid = Bg::from_command(ch.stowage(["exec", "--write", "mid", "--", "sh", "-c", &script]));
+    wait_for_file(&flag);
+    let waiting = |name: &str| {
+        let log = ch.env.tmp.path().join(name);
+        let mut c = ch.ch_build(["--wait", "20", "-t", "app", "-f", &app_df]);
+        c.stderr(fs::File::create(&log).unwrap());
+        let app = Bg::from_command_keep_stderr(c);
+        wait_until("ch-build waits for 'mid' to be started", || {
+            fs::read_to_string(&log).is_ok_and(|l| l.contains("waits for base 'mid'"))
+        });
+        (app, log)
+    };
+    let (app, log) = waiting("app1.log");
+    fs::write(&go, "").unwrap();
+    assert_eq!(mid.finish().status.code(), Some(1));
+    assert_eq!(ch.env.state("mid").as_deref(), Some("incomplete"));
+    let out = app.finish();
+    let said = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(66), "{said}");
+    assert!(said.contains("not ready (state: incomplete)"), "{said}");
+    assert!(!said.contains("import or pull it first"), "{said}");
+    assert!(!ch.img("app").exists());
+
+    // Launched again, the chain waits for mid's new build.
+    let (app, _) = waiting("app2.log");
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let mid = ch.build("mid", "m2");
+    ch.wait_started("mid", "m2");
+    ch.go("mid", "m2");
+    assert_ok(mid.finish());
+    assert_ok(app.finish());
+    assert_eq!(ch.file("app", "app"), "app");
+}
+
 /// A cache-mode import (it renames through STORAGE/imgtmp, which no other
 /// ch-image command may see) runs under --store-wide while builds come and
 /// go, recorded by an exec --write inside the hold: builds then read the
@@ -1390,6 +1506,43 @@ fn a_copy_of_a_cache_linked_base_leaves_the_build_cache_whole() {
     let mut delete = ch.command(CH_DELETE);
     delete.arg("app");
     assert_ok(output(delete));
+}
+
+/// ch-image writes the storage path it is given into every linked image's
+/// .git, and a cache-mode command given another spelling rewrites them
+/// all, holding none of their locks. The wrappers give it one spelling,
+/// the real path, however CH_IMAGE_STORAGE names the storage: a --cache
+/// build and a delete through a symlinked name leave base/.git as it was
+/// (before, both rewrote it to the symlink's spelling).
+#[test]
+fn the_wrappers_give_ch_image_one_spelling_of_the_storage() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    let link = ch.env.tmp.path().join("storage-link");
+    std::os::unix::fs::symlink(&ch.storage, &link).unwrap();
+    let git = ch.img("base/.git");
+    let before = (
+        fs::read(&git).unwrap(),
+        fs::metadata(&git).unwrap().modified().unwrap(),
+    );
+    let df = ch.dockerfile("Dockerfile.c", "FROM base\nRUN echo c > /which\n");
+    let mut build = ch.ch_build(["--cache", "-t", "viasym", "-f", &df]);
+    build.env("CH_IMAGE_STORAGE", &link);
+    assert_ok(output(build));
+    assert_eq!(ch.file("viasym", "which"), "c");
+    let mut delete = ch.command(CH_DELETE);
+    delete.env("CH_IMAGE_STORAGE", &link).arg("viasym");
+    assert_ok(output(delete));
+    assert!(!ch.img("viasym").exists());
+    let after = (
+        fs::read(&git).unwrap(),
+        fs::metadata(&git).unwrap().modified().unwrap(),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&after.0),
+        String::from_utf8_lossy(&before.0)
+    );
+    assert_eq!(after.1, before.1, "base/.git was written");
 }
 
 /// An image stowage records without a directory (its build stopped before

@@ -197,6 +197,67 @@ fn ch_build_and_ch_delete_work_with_the_root_named_either_way() {
     assert!(!ch.env.tmp.path().join("elsewhere").exists());
 }
 
+/// The root is checked before anything is planned or advised: ch-delete
+/// of a name this storage directory lacks, under another store's root
+/// that keeps a ready image of that name, is refused as any wrong root
+/// is, and never advises the `stowage rm` that would delete that image;
+/// a mistyped root is named, whatever the glob matches (before: a Python
+/// traceback). ch-build likewise names the root before refusing its
+/// Dockerfile.
+#[test]
+fn the_wrappers_check_the_root_before_they_plan() {
+    let Some(ch) = Ch::new() else { return };
+    let other = ch.env.tmp.path().join("other.stowage");
+    let other_img = ch.env.tmp.path().join("other-img");
+    fs::create_dir(&other_img).unwrap();
+    let mut stowage = ch.command(bin());
+    stowage
+        .arg("--root")
+        .arg(&other)
+        .arg("init")
+        .arg("--images-dir")
+        .arg(&other_img);
+    assert_ok(output(stowage));
+    let mut stowage = ch.command(bin());
+    stowage.arg("--root").arg(&other).args([
+        "exec",
+        "--write",
+        "precious",
+        "--",
+        "sh",
+        "-c",
+        "echo data > \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    assert_ok(output(stowage));
+    for how in [Naming::Flag, Naming::Env] {
+        let out = output(naming(ch.command(CH_DELETE), how, &other, &["precious"]));
+        assert_eq!(out.status.code(), Some(64), "{how:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("keeps images of its own"), "{}", show(&out));
+        assert!(!err.contains(" rm "), "{}", show(&out));
+    }
+    assert!(other_img.join("precious/file").is_file());
+
+    let typo = ch.env.tmp.path().join("rooot");
+    let out = output(naming(
+        ch.command(CH_DELETE),
+        Naming::Flag,
+        &typo,
+        &["nomatch*"],
+    ));
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("does not exist"), "{}", show(&out));
+    assert!(!stderr(&out).contains("Traceback"), "{}", show(&out));
+
+    ch.dockerfile("Dockerfile", "FROM --platform=x base\nRUN true\n");
+    let mut c = naming(ch.command(CH_BUILD), Naming::Flag, &typo, &["-t", "next"]);
+    c.arg(&ch.ctx);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("does not exist"), "{}", show(&out));
+    assert!(!typo.exists());
+}
+
 /// `bash -c '. ch-wrapper.bash; FUNCTION ARG'`.
 fn wrapper_fn(function: &str, arg: &str) -> Output {
     let mut c = Command::new("bash");
@@ -308,7 +369,8 @@ fn ch_build_waits_for_a_base_as_long_as_a_time_with_a_unit_says() {
     let locks = tree(&ch.env.root.join("locks"));
     // Each refused as stowage refuses it (before, "1 0" read as 10 s, and a
     // number past 64 bits wrapped round to a short wait).
-    for bad in ["10x", "inf", "-1", "1 0", "18446744073710"] {
+    // An empty time too: before, it read as no --wait, waiting for ever.
+    for bad in ["10x", "inf", "-1", "1 0", "18446744073710", ""] {
         let out = output(ch.ch_build(["--wait", bad, "-t", "x", "-f", &df]));
         assert_eq!(out.status.code(), Some(64), "{bad}: {}", show(&out));
         let said = stderr(&out);
@@ -325,13 +387,22 @@ fn ch_build_waits_for_a_base_as_long_as_a_time_with_a_unit_says() {
 }
 
 /// ch-delete's --wait takes units too: 500ms gives up on a base being
-/// read (75), 1m outlasts the reader.
+/// read (75), 1m outlasts the reader. An empty time is refused as stowage
+/// refuses it (before, it read as no --wait: wait for ever).
 #[test]
 fn ch_delete_waits_as_long_as_a_time_with_a_unit_says() {
     let Some(ch) = Ch::new() else { return };
     ch.env.ok(["slots", "set", "ch-cache", "1"]);
     ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
     assert_ok(output(ch.ch_build(["-t", "app"])));
+    for given in [&["--wait", ""][..], &["--wait="][..]] {
+        let mut c = ch.command(CH_DELETE);
+        c.args(given).arg("app");
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(64), "{given:?}: {}", show(&out));
+        assert!(stderr(&out).contains("not a time"), "{}", show(&out));
+        assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+    }
     let reader = ch.env.hold_until(&["--read", "app"], "held", "release");
     let mut c = ch.command(CH_DELETE);
     c.args(["--wait", "500ms", "app"]);
@@ -409,9 +480,9 @@ fn a_signal_while_ch_build_waits_for_its_locks_leaves_nothing() {
     assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
 }
 
-/// Ctrl-C while ch-build asks ch-image for its plan (ch-image reads the
-/// Dockerfile, here a FIFO nobody writes) ends it with 130, quietly and
-/// before anything exists.
+/// Ctrl-C while ch-build reads the Dockerfile for its plan (here a FIFO
+/// nobody writes; ch-build reads it once, for the plan and the build) ends
+/// it with 130, quietly and before anything exists.
 #[test]
 fn ctrl_c_while_ch_build_plans_ends_it_quietly() {
     let Some(ch) = Ch::new() else { return };
@@ -421,7 +492,7 @@ fn ctrl_c_while_ch_build_plans_ends_it_quietly() {
     let locks = tree(&ch.env.root.join("locks"));
     let b = Bg::from_command(ch.ch_build(["-t", "app", "-f", fifo.to_str().unwrap()]));
     // Opening a FIFO to write without blocking succeeds once a reader has it
-    // open: ch-image, inside ch-plan, is then reading the Dockerfile.
+    // open: ch-build is then reading the Dockerfile.
     let mut writer = None;
     wait_until("ch-plan opens the Dockerfile", || {
         writer = fs::OpenOptions::new()
