@@ -363,6 +363,19 @@ fn remove_trash_entry(trash: &Dir, entry: &OsStr) -> std::io::Result<()> {
     }
 }
 
+/// A leftover trash entry renamed to a name of our lease's (one atomic step), so that nobody else
+/// deletes it beside us; `None` if another took it first.
+fn take_over(root: &Root, trash: &Dir, entry: &OsStr) -> std::io::Result<Option<OsString>> {
+    let rest = entry.to_string_lossy();
+    let rest = rest.split_once(OWNER_END).map_or(&*rest, |(_, r)| r);
+    let ours = OsString::from(trash_entry_name(root, rest));
+    match trash.rename_to(entry, trash, &ours) {
+        Ok(()) => Ok(Some(ours)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Deletes what removals left in the trash (with `fix`; else only counts it).
 pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     let mut out = Trash::default();
@@ -382,7 +395,21 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
             continue;
         }
         let path = root.trash().join(&entry);
-        let bytes = disk_usage::freed_by_deleting(&path).unwrap_or(0);
+        // Made ours first, so one process deletes and counts it (a repair beside gc).
+        let entry = match fix.then(|| take_over(root, &trash, &entry)) {
+            Some(Ok(Some(ours))) => {
+                debug::pause("trash-taken");
+                ours
+            }
+            Some(Ok(None)) => continue,
+            Some(Err(e)) => {
+                out.failed
+                    .push(format!("cannot take {}: {e}", path.display()));
+                continue;
+            }
+            None => entry,
+        };
+        let bytes = disk_usage::freed_by_deleting(&root.trash().join(&entry)).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {
             out.failed
                 .push(format!("cannot delete {}: {e}", path.display()));

@@ -474,7 +474,13 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     let mine = config
         .map(|c| crate::images_dir::my_claim(root, &c))
         .transpose()?;
-    if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir) {
+    // A claim binds too while its store holds its store-wide lock: its init may be switching to
+    // the directory it just claimed, its configuration not naming it yet.
+    let switching = || {
+        let file = crate::lock::open_existing_read(&Root::at(&theirs.path).store_wide_lock());
+        matches!(file, Ok(Some(f)) if crate::lock::no_writer_now(&f).is_ok_and(|free| !free))
+    };
+    if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !(theirs.binds(dir) || switching()) {
         return Ok(());
     }
     // Its root not where it says (the same path as ours, another directory; or gone): that store
@@ -563,6 +569,9 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         // root unrecorded until `make_ours` records it.
         config.images = ImagesDir::External(dir.to_owned());
         let images = crate::dir::Dir::open(dir)?;
+        // One store's init switches to it at a time: another's claim is then there, and binds
+        // (its configuration names the directory), or not yet made.
+        crate::lock::flock_dir_exclusive(std::os::fd::AsRawFd::as_raw_fd(&images));
         // Refused before it is recorded: a member's refused switch leaves the store as it was.
         if let Some((gid, _)) = sharing::is_group_store(root.dir()) {
             sharing::refuse_images_dir(&images, dir, gid)?;

@@ -270,6 +270,19 @@ pub fn flock_dir_shared(fd: RawFd) -> io::Result<()> {
     cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
 }
 
+/// An exclusive flock on a directory descriptor, waited for in short sleeps (its holders keep it
+/// for milliseconds); none where the filesystem takes none on directories (NFS). Held until the
+/// descriptor closes.
+pub fn flock_dir_exclusive(fd: RawFd) {
+    // SAFETY: flock on a descriptor the caller owns; no memory is passed.
+    while let Err(e) = cvt(unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) }) {
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// Sets or clears close-on-exec on `fd`: whether a spawned child inherits it (and any lock on it).
 pub fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
     // SAFETY: plain fcntl on a descriptor the caller names; no memory is passed.

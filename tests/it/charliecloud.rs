@@ -1400,7 +1400,10 @@ fn a_chain_ends_at_once_when_its_base_build_stops_before_making_it() {
     let out = app.finish();
     let said = fs::read_to_string(&log).unwrap();
     assert_eq!(out.status.code(), Some(66), "{said}");
-    assert!(said.contains("not ready (state: incomplete, its writer"), "{said}");
+    assert!(
+        said.contains("not ready (state: incomplete, its writer"),
+        "{said}"
+    );
     assert!(!said.contains("import or pull it first"), "{said}");
     assert!(!ch.img("app").exists());
 

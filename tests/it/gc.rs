@@ -1341,3 +1341,30 @@ fn a_trash_another_store_uses_as_its_images_directory_is_left_alone() {
     assert_eq!(fs::read_to_string(data).unwrap(), "keep\n");
     assert!(env.root.join("img/mine").is_dir());
 }
+
+/// A leftover in the trash is taken over (renamed to the taker's lease)
+/// before it is deleted: a repair beside the gc that took it leaves it to
+/// that gc, which alone counts it (before: both deleted it, and both counted
+/// its bytes as freed).
+#[test]
+fn a_trash_leftover_is_deleted_and_counted_once() {
+    let env = Env::new();
+    env.build(
+        "big",
+        "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
+    );
+    let (rm, _) = env.paused(["rm", "big"], "rm-moved");
+    rm.kill_all();
+    let (gc, pause) = env.paused(["gc", "--json"], "trash-taken");
+    let out = env.ok(["doctor", "--repair"]);
+    let said = stdout(&out);
+    assert!(said.contains("being deleted by running removals"), "{said}");
+    assert!(!said.contains("deleted 1 left"), "{said}");
+    fs::remove_file(&pause).unwrap();
+    let out = gc.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let freed = report["bytes_freed"].as_u64().unwrap();
+    assert!((1 << 20..2 << 20).contains(&freed), "freed {freed}");
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}

@@ -659,6 +659,54 @@ fn two_inits_racing_for_one_images_directory_leave_it_to_one_store() {
     }
 }
 
+/// Two inits racing for one images directory, the first held between its
+/// claim and its configuration (its global lock held by another program):
+/// its claim binds while its store-wide hold stands, so the second is
+/// refused, and the first gets it (before: the second took the directory
+/// over, both configurations named it, and the first was refused its own).
+#[test]
+fn an_init_between_its_claim_and_its_configuration_keeps_the_directory() {
+    if !tool_or_skip("getfattr", "attr") {
+        return;
+    }
+    let a = Env::new();
+    a.ok(["init"]);
+    let shared = a.scratch.join("img");
+    fs::create_dir(&shared).unwrap();
+    let dir = shared.to_str().unwrap();
+    let claimed = || {
+        Command::new("getfattr")
+            .args(["--only-values", "-n", "user.stowage.store", dir])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let (started, release) = (a.sentinel("held"), a.sentinel("release"));
+    let wait = format!(
+        "while [ ! -e '{}' ]; do sleep 0.01; done",
+        release.display()
+    );
+    let holder = flock_holder(&a.root.join("locks/global.lock"), &started, &wait);
+    let first = a.spawn(["init", "--images-dir", dir]);
+    wait_until("the first init claims the directory", claimed);
+    let mut b = Env::new();
+    b.root = a.tmp.path().join("b");
+    let out = b.run(["init", "--images-dir", dir]);
+    fs::write(&release, "").unwrap();
+    holder.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("belongs to the store at"),
+        "{}",
+        show(&out)
+    );
+    let out = first.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    a.ok(["exec", "--write", "from-a", "--", "true"]);
+    assert!(shared.join("from-a").is_dir());
+    let conf = fs::read_to_string(b.root.join("store.conf")).unwrap_or_default();
+    assert!(!conf.contains(dir), "{conf}");
+}
+
 /// What is no images directory is refused before anything is made, with
 /// what to do instead: a builder's storage directory (its images are in
 /// its `img/`), `/`, a home directory, a directory that would be made at

@@ -425,6 +425,10 @@ fn removal_never_deletes_another_stores_root_or_images_directory() {
     let kept = trash[0].as_ref().unwrap().path().join("img/also-kept/file");
     assert!(kept.exists(), "{}", show(&out));
     b.run(["gc"]);
+    // Still in the trash, under the name of the gc that took it over.
+    let trash: Vec<_> = fs::read_dir(b.root.join("trash")).unwrap().collect();
+    assert_eq!(trash.len(), 1);
+    let kept = trash[0].as_ref().unwrap().path().join("img/also-kept/file");
     assert!(kept.exists());
     assert!(images.join("inner/img/kept/file").exists());
 }
