@@ -97,15 +97,20 @@ impl Store {
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
         let global = take(&self.ctx)?;
-        match self.attempt(&global, in_memory, f) {
-            // Damage past what opening reads (a page of the table): set aside and made anew here,
-            // as at the open, then done once more. Not while full: nothing could be made.
-            Err(e) if !in_memory && catalog::is_damage(&e, &self.ctx.root.db()) => {
-                self.conn = None;
-                self.replace(&e.root_cause().to_string())?;
-                self.attempt(&global, in_memory, f)
+        let mut tries = 1;
+        loop {
+            match self.attempt(&global, in_memory, f) {
+                // Damage past what opening reads (a page of the table): set aside and made anew
+                // here, as at the open, then done once more. Not while full: nothing could be made.
+                Err(e) if !in_memory && catalog::is_damage(&e, &self.ctx.root.db()) => {
+                    self.conn = None;
+                    self.replace(&e.root_cause().to_string())?;
+                    return self.attempt(&global, in_memory, f);
+                }
+                // A stale handle on a file of the catalog: done again on a fresh connection.
+                Err(e) if catalog::try_again(&mut tries, &e) => self.conn = None,
+                other => return other,
             }
-            other => other,
         }
     }
 
