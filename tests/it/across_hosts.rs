@@ -1488,3 +1488,25 @@ fn a_doctor_beside_commits_on_other_hosts_finds_the_catalog_healthy() {
     let names = ok(doctor.run(["ls", root.to_str().unwrap()]));
     assert!(!stdout(&names).contains("damaged"), "{}", show(&names));
 }
+
+/// A command on one host right after another host replaced `store.conf`
+/// (`init --images-dir` renames a new one in) reads the new one: the file
+/// this host's client looked up is gone on the server, a stale handle, and
+/// a fresh open finds the new one (before: "cannot read …/store.conf: Stale
+/// file handle", exit 1).
+#[test]
+fn a_configuration_another_host_replaced_is_read_afresh() {
+    let Some(c) = Cluster::start("confstale", 2) else {
+        return;
+    };
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(a.stowage_run(&root, ["init"]));
+    for i in 0..4 {
+        let img = c.dir.join(format!("img{}", i % 2));
+        ok(a.run(["mkdir", "-p", img.to_str().unwrap()]));
+        ok(a.stowage_run(&root, ["images"]));
+        ok(b.stowage_run(&root, ["init", "--images-dir", img.to_str().unwrap()]));
+        ok(a.stowage_run(&root, ["exec", "--write", &format!("new{i}"), "--", "true"]));
+        ok(a.stowage_run(&root, ["rm", &format!("new{i}")]));
+    }
+}
