@@ -313,7 +313,7 @@ fn take_global_quietly(ctx: &Ctx) -> Result<lock::Guard> {
             .or_else_busy(|| {
                 Error::Busy(Busy {
                     what: format!("the global lock ({})", path.display()),
-                    holders: crate::holders::global_holder_phrase(ctx),
+                    holders: crate::holders::global_holder_phrase(ctx, Some(t0 + GLOBAL_GRACE)),
                     waited: t0.elapsed(),
                 })
                 .into()
@@ -359,7 +359,7 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
             *line.borrow_mut() = Some(crate::wait_line::announce(
                 ctx,
                 &format!("the global lock ({})", ctx.root.global_lock().display()),
-                &crate::holders::global_holder_phrase(ctx),
+                &crate::holders::global_holder_phrase(ctx, deadline),
                 None,
             ));
         }),
@@ -367,7 +367,7 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
     let waited = lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait);
     drop(wait);
     drop(line);
-    let holders = || crate::holders::global_holder_phrase(ctx);
+    let holders = || crate::holders::global_holder_phrase(ctx, deadline);
     waited
         .map_err(|e| lock::error("the global lock", &path, e))?
         .or_else_busy(|| Busy::now("the global lock".into(), holders()).into())
