@@ -250,6 +250,40 @@ pub fn is_busy(err: &anyhow::Error) -> bool {
     said(err, BUSY)
 }
 
+/// Is this SQLite saying a read or write of a file failed (`SQLITE_IOERR` and its kinds)?
+pub fn is_io(err: &anyhow::Error) -> bool {
+    said(err, &[ErrorCode::SystemIoFailure])
+}
+
+/// How often a use of the catalog that meets an I/O error is made in all.
+const IO_TRIES: u32 = 4;
+
+/// Whether a use of the catalog that failed with `err` is to be made again (after a pause, taken
+/// here), `tries` counting those made: while SQLite says an I/O error, a few times. On a shared
+/// filesystem a file another host deleted since this client looked it up is a stale handle, which
+/// SQLite calls an I/O error: the journal each commit deletes, met by the check for a hot journal
+/// (a read) or at the next transaction's start (a write). A fresh look finds it gone; a failing
+/// disk fails every try and is reported.
+pub fn try_again(tries: &mut u32, err: &anyhow::Error) -> bool {
+    if !is_io(err) || *tries >= IO_TRIES {
+        return false;
+    }
+    *tries += 1;
+    std::thread::sleep(std::time::Duration::from_millis(5 << *tries));
+    true
+}
+
+/// `look` at the catalog, made again while it meets an I/O error ([`try_again`]).
+pub fn again_on_io<T>(mut look: impl FnMut() -> Result<T>) -> Result<T> {
+    let mut tries = 1;
+    loop {
+        match look() {
+            Err(e) if try_again(&mut tries, &e) => {}
+            other => return other,
+        }
+    }
+}
+
 /// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? Not a failed
 /// read (EIO: kept, [`unreadable`]), nor damage `quick_check` on a new connection does not meet.
 pub fn is_damage(err: &anyhow::Error, db: &Path) -> bool {

@@ -103,9 +103,17 @@ pub fn exists(dir: &Dir) -> bool {
 /// Reads the configuration through the root's descriptor (`root_dir` names it); `Ok(None)`: none.
 pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let path = root_dir.join(FILE);
-    let file = match dir.open_read_unchecked(FILE) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+    let mut read = read_file(dir);
+    // Replaced by another host (a new one renamed in) since this client looked its name up, the
+    // file opened is gone on the server, a stale handle: a fresh open finds the new one.
+    if let Err(e) | Ok(Some((_, Err(e)))) = &read
+        && e.raw_os_error() == Some(libc::ESTALE)
+    {
+        read = read_file(dir);
+    }
+    let (file, data) = match read {
+        Ok(Some(read)) => read,
+        Ok(None) => return Ok(None),
         Err(e) => return Err(Unusable::because(&path, e)),
     };
     // What it is is asked only when the read finds no format (a FIFO reads empty, a dir fails).
@@ -113,14 +121,31 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
         Err(planted) => Unusable::because(&path, planted),
         Ok(()) => e,
     };
-    let mut buf = vec![0u8; 64 * 1024];
-    let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0)
-        .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
+    let data = data.map_err(|e| not_a_file(Unusable::because(&path, e)))?;
     let why = format!("{} is damaged", path.display());
-    let config = Config::decode(&String::from_utf8_lossy(&buf[..n]));
+    let config = Config::decode(&String::from_utf8_lossy(&data));
     Ok(Some(
         config.ok_or_else(|| not_a_file(Unusable { why }.into()))?,
     ))
+}
+
+/// The configuration file opened (`None`: there is none), and what one read of it gave.
+type Read = Option<(std::fs::File, std::io::Result<Vec<u8>>)>;
+
+/// The configuration file opened through the root's descriptor and read once (64 KiB at most: more
+/// is no configuration).
+fn read_file(dir: &Dir) -> std::io::Result<Read> {
+    let file = match dir.open_read_unchecked(FILE) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut buf = vec![0u8; 64 * 1024];
+    let data = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0).map(|n| {
+        buf.truncate(n);
+        buf
+    });
+    Ok(Some((file, data)))
 }
 
 /// The configuration exists but is not its format, or is no regular file: only then is it set

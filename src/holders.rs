@@ -170,6 +170,8 @@ pub struct Look<'c> {
     owned: OnceCell<HashSet<(u32, u64)>>,
     /// How long this look has waited for holders to list their locks.
     waited: Cell<std::time::Duration>,
+    /// When its waits for a listing end at the latest (a wait's deadline), if ever.
+    end: Option<std::time::Instant>,
     /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for.
     deferring: Cell<bool>,
 }
@@ -195,8 +197,24 @@ impl<'c> Look<'c> {
             fd_locks: RefCell::new(HashMap::new()),
             owned: OnceCell::new(),
             waited: Cell::new(std::time::Duration::ZERO),
+            end: None,
             deferring: Cell::new(false),
         }
+    }
+
+    /// A look whose waits for holders to list their locks end by `end` (`None`: as any look's): a
+    /// holder not named by then is unknown. For what a wait says as it starts or gives up: a bounded
+    /// wait never ends past its deadline, `--no-wait` (`end` now) not later at all.
+    pub fn until(ctx: &'c Ctx, end: Option<std::time::Instant>) -> Look<'c> {
+        Look {
+            end,
+            ..Look::new(ctx)
+        }
+    }
+
+    /// Whether this look may still wait for holders to list their locks.
+    fn may_pause(&self) -> bool {
+        self.waited.get() < WAIT_BUDGET && self.end.is_none_or(|e| std::time::Instant::now() < e)
     }
 
     /// Where no table names holders (returned): a lock held that no lease lists yet shows one
@@ -217,10 +235,12 @@ impl<'c> Look<'c> {
         crate::lock::look(path, self.ctx.root.lock_queries()).unwrap_or(Probe::Free)
     }
 
-    /// Sleeps about `d`, counted in the budget; jittered, so two hosts' looks that each saw the
-    /// other's probe do not probe again in step.
+    /// Sleeps about `d`, counted in the budget, never past the look's end; jittered, so two hosts'
+    /// looks that each saw the other's probe do not probe again in step.
     fn pause(&self, d: std::time::Duration) {
         let d = d + d.mul_f64((ident::nonce() % 1024) as f64 / 2048.0);
+        let left = |e: std::time::Instant| e.saturating_duration_since(std::time::Instant::now());
+        let d = self.end.map_or(d, |e| d.min(left(e)));
         self.waited.set(self.waited.get() + d);
         std::thread::sleep(d);
     }
@@ -708,7 +728,7 @@ impl<'c> Look<'c> {
         let tries = if self.deferring.get() { 1 } else { 5 };
         for attempt in 0..tries {
             if attempt > 0 {
-                if self.waited.get() >= WAIT_BUDGET {
+                if !self.may_pause() {
                     break;
                 }
                 self.pause(std::time::Duration::from_millis(10 << (attempt - 1)));
@@ -743,7 +763,7 @@ impl<'c> Look<'c> {
         // Without a table, held is all a probe tells: held a moment later too, or it was
         // another host's look probing it (a transaction takes milliseconds, a probe less).
         for pause in [10, 20, 40].map(std::time::Duration::from_millis) {
-            if entries.is_some() || state == Probe::Free || self.waited.get() >= WAIT_BUDGET {
+            if entries.is_some() || state == Probe::Free || !self.may_pause() {
                 break;
             }
             self.pause(pause);
@@ -914,10 +934,29 @@ pub fn command_cut(p: &Party, width: usize) -> String {
     })
 }
 
+/// Until when what a wait says looks for the holder's name ([`Look::until`]): the wait's
+/// `deadline`, or now for a request that does not wait.
+pub fn looked_for_until(
+    deadline: Option<std::time::Instant>,
+    no_wait: bool,
+) -> Option<std::time::Instant> {
+    match no_wait {
+        true => Some(std::time::Instant::now()),
+        false => deadline,
+    }
+}
+
 /// Who holds the lock at `path`, ourselves left out (a wait line said after our take); with
-/// `writer_ahead`, and which writers wait at its gate ahead of new readers.
-pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path, writer_ahead: bool) -> String {
-    let r = Look::new(ctx).report(kind, &ctx.root.locks_rel(path), path);
+/// `writer_ahead`, and which writers wait at its gate ahead of new readers. Looked for until `end`
+/// at the latest ([`Look::until`]).
+pub fn holders_phrase(
+    ctx: &Ctx,
+    kind: LockKind,
+    path: &Path,
+    writer_ahead: bool,
+    end: Option<std::time::Instant>,
+) -> String {
+    let r = Look::until(ctx, end).report(kind, &ctx.root.locks_rel(path), path);
     let me = |p: &Party| p.pid == Some(std::process::id()) && p.pid_space == PidSpace::Here;
     let holders: Vec<Party> = r.holders.into_iter().filter(|p| !me(p)).collect();
     // Read and write are an image's: the store's and gc's locks are only held.
@@ -1001,9 +1040,9 @@ pub fn stopped_below(p: &Party) -> Option<(u32, Stopped, bool)> {
     None
 }
 
-/// Who holds the global lock, for the rare message about waiting for it.
-pub fn global_holder_phrase(ctx: &Ctx) -> String {
-    let r = Look::new(ctx).global_report();
+/// Who holds the global lock, for the rare message about waiting for it, looked for until `end`.
+pub fn global_holder_phrase(ctx: &Ctx, end: Option<std::time::Instant>) -> String {
+    let r = Look::until(ctx, end).global_report();
     if r.holders.iter().all(|p| p.pid.is_none()) {
         "held by a process stowage cannot identify (on another host, or stopped)".into()
     } else {

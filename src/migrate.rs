@@ -649,7 +649,8 @@ fn slot_classes(root: &Root, old: &Old) -> Result<()> {
 fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
     let path = store.root().image_lock(name);
     let mut wait = lock::Wait::on(&store.root().image_locks(), deadline);
-    let holders = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path, false);
+    let holders =
+        || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path, false, deadline);
     let what = format!("the lock on image '{name}' before migrating the store");
     let before = holders();
     let _line = crate::wait_line::announce(store.ctx(), &what, &before, None);

@@ -245,6 +245,32 @@ fn still_ours(held: &Held) -> Result<()> {
     }
 }
 
+/// [`take_out`] for a removal finished before its name is written anew: the trash entry to delete
+/// ([`delete_trashed`]), if the tree went there; an error if it stayed.
+pub fn take_out_tree(
+    root: &Root,
+    images: &Dir,
+    trash: &Dir,
+    tree: &Path,
+    name: &ImageName,
+) -> Result<Option<OsString>> {
+    match take_out(root, images, trash, tree, name) {
+        Taken::Trashed(entry) => Ok(Some(entry)),
+        Taken::Gone | Taken::Deleted => Ok(None),
+        Taken::Refused(e) | Taken::Partial(e) => Err(e),
+    }
+}
+
+/// Deletes trash entry `entry` a finished removal left, outside every lock; what cannot be is left
+/// for gc, which deletes it once our lease is gone.
+pub fn delete_trashed(root: &Root, entry: &OsStr) {
+    if crate::signals::cancelled().is_none()
+        && let Ok(trash) = root.open_trash()
+    {
+        let _ = remove_trash_entry(&trash, entry);
+    }
+}
+
 /// Takes an image tree out of the images directory: into the trash, or deleted in place (EXDEV).
 fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
     let enc = name.encoded();

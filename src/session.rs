@@ -136,6 +136,8 @@ pub struct Session {
     images: Vec<Image>,
     images_dir: PathBuf,
     root: Root,
+    /// Trees of removals this session finished, in the trash: deleted once every lock is let go.
+    trashed: Vec<std::ffi::OsString>,
 }
 
 impl Session {
@@ -195,6 +197,7 @@ impl Session {
             images,
             images_dir: root.default_images_dir(),
             root: root.clone(),
+            trashed: Vec::new(),
         };
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
         // One under an enclosing command's lock holds none: listed by that command alone.
@@ -241,7 +244,7 @@ impl Session {
             }
             crate::debug::pause("write-locked");
             if img.state() == Some(State::Deleting) {
-                finish_removal(&self.root, img)?;
+                self.trashed.extend(finish_removal(&self.root, img)?);
             }
             let existing = match (&img.held.seen.record, img.held.seen.damaged) {
                 (Some(r), _) => Some(r.clone()),
@@ -550,6 +553,9 @@ impl Session {
         crate::remove::release_unclaimed(&self.root, held, &[]);
         self.slot = None;
         crate::lease::forget_all(&self.root.leases(), rels);
+        for entry in self.trashed.drain(..) {
+            crate::remove::delete_trashed(&self.root, &entry);
+        }
     }
 }
 
@@ -860,30 +866,24 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
     )
 }
 
-/// Finishes a removal a crash cut short, before the name is written anew.
-fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
+/// Finishes a removal a crash cut short, before the name is written anew: its tree goes to the
+/// trash (named after our lease: nobody takes it for a leftover while we live), returned to be
+/// deleted once every lock is let go, as `rm` deletes it.
+fn finish_removal(root: &Root, img: &mut Image) -> Result<Option<std::ffi::OsString>> {
     let name = img.held.name.clone();
     let record = img.held.seen.record.clone().expect("a deleting record");
     let dir = crate::images_dir::of_record(root, &record)?;
     let trash = root.open_trash()?;
+    let mut trashed = None;
     if let Ok(opened) = root.open_images_dir(&dir) {
         let images = crate::images_dir::confirmed(root, &dir, Ok(opened))?;
-        if images.stat_at(name.encoded())?.is_some() {
-            let tree = images.sub(name.encoded()).ok();
-            if let Some(what) = tree.and_then(|t| crate::root::in_use_by_a_store(&t)) {
-                let path = dir.join(name.encoded());
-                let path = path.display();
-                anyhow::bail!("cannot finish the removal of image '{name}': {path} is {what}");
-            }
-            let to = format!("{}.{:016x}.finish", clock::now_ms(), crate::ident::nonce());
-            images
-                .rename_to(name.encoded(), &trash, to)
-                .with_context(|| format!("cannot finish the removal of image '{name}'"))?;
-        }
+        let tree = dir.join(name.encoded());
+        trashed = crate::remove::take_out_tree(root, &images, &trash, &tree, &name)
+            .with_context(|| format!("cannot finish the removal of image '{name}'"))?;
     }
     image_record::clear(img.held.guard.file())?;
     img.held.seen = Default::default();
-    Ok(())
+    Ok(trashed)
 }
 
 /// Whether the write lock is still ours, and was all along: a lock lost while free is taken again

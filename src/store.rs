@@ -97,15 +97,20 @@ impl Store {
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
         let global = take(&self.ctx)?;
-        match self.attempt(&global, in_memory, f) {
-            // Damage past what opening reads (a page of the table): set aside and made anew here,
-            // as at the open, then done once more. Not while full: nothing could be made.
-            Err(e) if !in_memory && catalog::is_damage(&e, &self.ctx.root.db()) => {
-                self.conn = None;
-                self.replace(&e.root_cause().to_string())?;
-                self.attempt(&global, in_memory, f)
+        let mut tries = 1;
+        loop {
+            match self.attempt(&global, in_memory, f) {
+                // Damage past what opening reads (a page of the table): set aside and made anew
+                // here, as at the open, then done once more. Not while full: nothing could be made.
+                Err(e) if !in_memory && catalog::is_damage(&e, &self.ctx.root.db()) => {
+                    self.conn = None;
+                    self.replace(&e.root_cause().to_string())?;
+                    return self.attempt(&global, in_memory, f);
+                }
+                // A stale handle on a file of the catalog: done again on a fresh connection.
+                Err(e) if catalog::try_again(&mut tries, &e) => self.conn = None,
+                other => return other,
             }
-            other => other,
         }
     }
 
@@ -308,7 +313,7 @@ fn take_global_quietly(ctx: &Ctx) -> Result<lock::Guard> {
             .or_else_busy(|| {
                 Error::Busy(Busy {
                     what: format!("the global lock ({})", path.display()),
-                    holders: crate::holders::global_holder_phrase(ctx),
+                    holders: crate::holders::global_holder_phrase(ctx, Some(t0 + GLOBAL_GRACE)),
                     waited: t0.elapsed(),
                 })
                 .into()
@@ -354,7 +359,7 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
             *line.borrow_mut() = Some(crate::wait_line::announce(
                 ctx,
                 &format!("the global lock ({})", ctx.root.global_lock().display()),
-                &crate::holders::global_holder_phrase(ctx),
+                &crate::holders::global_holder_phrase(ctx, deadline),
                 None,
             ));
         }),
@@ -362,7 +367,7 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
     let waited = lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait);
     drop(wait);
     drop(line);
-    let holders = || crate::holders::global_holder_phrase(ctx);
+    let holders = || crate::holders::global_holder_phrase(ctx, deadline);
     waited
         .map_err(|e| lock::error("the global lock", &path, e))?
         .or_else_busy(|| Busy::now("the global lock".into(), holders()).into())

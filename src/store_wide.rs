@@ -441,7 +441,8 @@ pub(crate) fn wait_in_turn<'a, T>(
         ),
     };
     crate::debug::pause("store-wide-busy");
-    let now = || crate::holders::holders_phrase(store.ctx(), kind, &path, false);
+    let until = crate::holders::looked_for_until(deadline, refuse.is_some());
+    let now = || crate::holders::holders_phrase(store.ctx(), kind, &path, false, until);
     let holders = now();
     // Freed while we looked (see `image::wait_taking`): one more try before saying we wait.
     let mut once = Wait {

@@ -148,7 +148,9 @@ fn wait_taking(
     let (path, rel) = (root.image_lock(name), Root::image_lock_rel(name));
     let err = |e| lock::error(&format!("image '{name}'"), &path, e);
     let what = format!("{} lock on image '{name}'", want.verb());
-    let now = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path, writer_ahead);
+    let until = crate::holders::looked_for_until(want.deadline, want.no_wait);
+    let now =
+        || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path, writer_ahead, until);
     let holders = now();
     // The holder may be gone by now (on FUSE and NFS a close releases the lock late): one more try.
     if let Ok(Tried::Got(h)) = try_image(root, name, want.mode, want.create) {

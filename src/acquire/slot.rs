@@ -161,8 +161,9 @@ pub(crate) fn take(
         "a {word} slot of class '{class}' (limit {}, {} reserved for high priority)",
         limits.limit, limits.reserve
     );
+    let until = crate::holders::looked_for_until(deadline, no_wait);
     let now = || {
-        let look = Look::new(store.ctx());
+        let look = Look::until(store.ctx(), until);
         let r = crate::slots::report_of(&look, root, class, Some(limits), priority);
         crate::holders::phrase_as("all in use by ", &r.holders)
     };

@@ -451,7 +451,9 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
         let detail = format!("{shown} lost ({why}): the store migrated from its lock files");
         return Ok(report.catalog(Repaired, detail));
     }
-    let found = match crate::catalog::inspect_file(&db, store.root()) {
+    let found = match crate::catalog::again_on_io(|| {
+        crate::catalog::inspect_file(&db, store.root())
+    }) {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
             return Ok(report.catalog(Problem, format!("{shown} is locked by a program outside stowage (an sqlite3 shell?); {FROM_RECORDS}")));
@@ -459,7 +461,9 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
         Err(e) if e.downcast_ref::<crate::catalog::StuckInWal>().is_some() => {
             return stuck_in_wal(store, repair, &e, report);
         }
-        Err(e) => Found::Replaced(format!("{e:#}")),
+        Err(e) if crate::catalog::is_damage(&e, &db) => Found::Replaced(format!("{e:#}")),
+        // A check that cannot run says nothing of the catalog, and changes nothing.
+        Err(e) => return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {e:#}"))),
     };
     Ok(match found {
         Found::Legacy(v) if repair => {
@@ -473,7 +477,13 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
             report.by_repair().catalog(Problem, format!("{shown} cannot be used ({why}); {DERIVED}"))
         }
         Found::Replaced(why) => {
+            let before = crate::store::file_id(&db);
             store.with_catalog(None, |_, _| Ok(()))?;
+            // Found usable at the look under the global lock (what failed passed): nothing was set
+            // aside, and the catalog is checked as it is now.
+            if crate::store::file_id(&db) == before {
+                return intact(store, repair, report);
+            }
             report.catalog(Repaired, format!("{shown} could not be used ({why}): set aside and made anew from the records"))
         }
         Found::New => empty_catalog(store, repair, report)?,
@@ -576,9 +586,10 @@ fn planted_catalog(
 fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
     let db = store.root().db();
     let shown = db.display();
-    let conn = crate::catalog::open(&db)?;
     crate::debug::pause("doctor-catalog-check");
-    let checked = crate::catalog::quick_check(&conn).map_err(anyhow::Error::from);
+    let checked = crate::catalog::again_on_io(|| {
+        Ok(crate::catalog::quick_check(&crate::catalog::open(&db)?)?)
+    });
     // Only SQLite saying the file is damaged is damage (not busy, an I/O error, a stale handle).
     let check = match checked {
         // Its answer is lines, the first a heading ("*** in database main ***"): one line here.

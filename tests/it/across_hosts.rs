@@ -1440,3 +1440,73 @@ fn a_catalog_switched_to_wal_on_a_fuse_mount_is_switched_back() {
     assert!(stdout(&out).contains("intact"), "{}", show(&out));
     ok(host.stowage_run(&root, ["doctor", "--repair"]));
 }
+
+/// `doctor` and `doctor --repair` on one host while two others commit to
+/// the catalog: it is healthy, and nothing is set aside. Each commit deletes
+/// the journal, which this host's client may have looked up a moment before:
+/// SQLite met a stale handle, an I/O error, and doctor called the catalog
+/// unusable (exit 1) and its repair said it set it aside and made it anew,
+/// having done nothing.
+#[test]
+fn a_doctor_beside_commits_on_other_hosts_finds_the_catalog_healthy() {
+    let Some(c) = Cluster::start("doctorio", 3) else {
+        return;
+    };
+    let env = Env::new();
+    let root = c.root();
+    ok(c.host(0).stowage_run(&root, ["init"]));
+    let stop = env.sentinel("stop");
+    let mut writers = Vec::new();
+    for (i, h) in c.hosts[..2].iter().enumerate() {
+        let script = format!(
+            "s() {{ '{bin}' --root '{root}' \"$@\" >/dev/null 2>&1; }}
+             n=0; while [ ! -e '{stop}' ] && [ $n -lt 5000 ]; do
+               s images; s exec --write cc{i} -- true; n=$((n + 1))
+             done; exit 0",
+            bin = bin(),
+            root = root.display(),
+            stop = stop.display()
+        );
+        writers.push(Bg::from_command(h.cmd(["sh", "-c", &script])));
+    }
+    let doctor = c.host(2);
+    let mut failed = Vec::new();
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        for _ in 0..15 {
+            let out = doctor.stowage_run(&root, args);
+            let said = stdout(&out);
+            if code(&out) != Some(0) || said.contains("set aside") {
+                failed.push(show(&out));
+            }
+        }
+    }
+    fs::write(&stop, "").unwrap();
+    for w in writers {
+        ok(w.finish());
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    let names = ok(doctor.run(["ls", root.to_str().unwrap()]));
+    assert!(!stdout(&names).contains("damaged"), "{}", show(&names));
+}
+
+/// A command on one host right after another host replaced `store.conf`
+/// (`init --images-dir` renames a new one in) reads the new one: the file
+/// this host's client looked up is gone on the server, a stale handle, and
+/// a fresh open finds the new one (before: "cannot read …/store.conf: Stale
+/// file handle", exit 1).
+#[test]
+fn a_configuration_another_host_replaced_is_read_afresh() {
+    let Some(c) = Cluster::start("confstale", 2) else {
+        return;
+    };
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(a.stowage_run(&root, ["init"]));
+    for i in 0..4 {
+        let img = c.dir.join(format!("img{}", i % 2));
+        ok(a.run(["mkdir", "-p", img.to_str().unwrap()]));
+        ok(a.stowage_run(&root, ["images"]));
+        ok(b.stowage_run(&root, ["init", "--images-dir", img.to_str().unwrap()]));
+        ok(a.stowage_run(&root, ["exec", "--write", &format!("new{i}"), "--", "true"]));
+        ok(a.stowage_run(&root, ["rm", &format!("new{i}")]));
+    }
+}

@@ -243,6 +243,42 @@ fn an_rm_killed_midway_is_finished_by_the_next_rm_or_gc() {
     }
 }
 
+/// A removal killed once it marked the image is finished by the next write
+/// of the name, and its tree deleted once the write lets go, as rm deletes
+/// it; meanwhile the tree is the writer's, no leftover of the trash (before:
+/// it stayed in the trash, doctor exited 1 until a gc deleted it).
+#[test]
+fn an_rm_killed_midway_is_finished_by_the_next_write_which_deletes_its_tree() {
+    let env = Env::new();
+    ready(&env, "app");
+    kill_at(&env, &["rm", "app"], "rm-marked");
+    assert_eq!(env.state("app").as_deref(), Some("deleting"));
+    let args = [
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "! test -e \"$STOWAGE_IMAGE_DIR/file\"",
+    ];
+    let (write, pause) = env.paused(args, "exec-started");
+    let trash = || fs::read_dir(env.root.join("trash")).unwrap().count();
+    assert_eq!(trash(), 1, "the old tree is in the trash");
+    let out = env.ok(["doctor"]);
+    assert!(
+        stdout(&out).contains("1 being deleted by running removals"),
+        "{}",
+        show(&out)
+    );
+    fs::remove_file(&pause).unwrap();
+    let out = write.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(trash(), 0, "the old tree is deleted");
+    env.ok(["doctor"]);
+}
+
 #[test]
 fn a_waiting_writer_killed_leaves_no_hint_that_holds_readers_back() {
     let env = Env::new();
