@@ -92,13 +92,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");
     still_ours(&held)?;
-    // 3. The record and its lock file go, unlisted from our lease first (its next taker is named).
-    let name = held.name.clone();
-    crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
-    let lock_file_left = root
-        .drop_record(&name, held.guard)
-        .with_context(|| format!("cannot remove the record of image '{name}'"))?
-        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left (it names no image; 'stowage doctor --repair' removes it once it can): {why}"));
+    // 3. The record and its lock file go.
+    let (name, lock_file_left) = drop_the_record(root, held)?;
     // 4. Outside every lock; what could not be deleted is left for gc, and said.
     let left_in_trash = match moved {
         Some(t) => {
@@ -122,15 +117,22 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     })
 }
 
+/// The record and lock file of image `held` go, unlisted from our lease first (its next taker is
+/// named); why its emptied lock file is left, if it is.
+fn drop_the_record(root: &Root, held: Held) -> Result<(ImageName, Option<String>)> {
+    let name = held.name.clone();
+    crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
+    let left = root
+        .drop_record(&name, held.guard)
+        .with_context(|| format!("cannot remove the record of image '{name}'"))?
+        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left (it names no image; 'stowage doctor --repair' removes it once it can): {why}"));
+    Ok((name, left))
+}
+
 /// Removes the record of an image `held` whose record names images directory `theirs`, not the
 /// store's: nothing there is ours to delete, so its tree, if any, stays where it is.
 fn drop_record_only(root: &Root, held: Held, state: State, theirs: PathBuf) -> Result<Removed> {
-    let name = held.name.clone();
-    crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
-    let lock_file_left = root
-        .drop_record(&name, held.guard)
-        .with_context(|| format!("cannot remove the record of image '{name}'"))?
-        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left: {why}"));
+    let (name, lock_file_left) = drop_the_record(root, held)?;
     let theirs = theirs.display();
     Ok(Removed {
         name: name.as_str().to_owned(),
