@@ -83,8 +83,13 @@ pub enum Error {
     NotReady { name: String, state: String },
 
     /// The image's record cannot be read: its state is not known (exit 66).
-    #[error("image '{name}': its record in {} is damaged, its state unknown ('stowage exec --write {name} -- true' marks it ready)", path.display())]
-    DamagedRecord { name: String, path: PathBuf },
+    #[error("image '{name}': its record in {} {}, its state unknown ('stowage exec --write {name} -- true' marks it ready)", path.display(), damage(.holds))]
+    DamagedRecord {
+        name: String,
+        path: PathBuf,
+        /// The image whose valid record the file holds instead (copied over it), if any.
+        holds: Option<String>,
+    },
 
     /// flock(2) does not work on this filesystem (exit 69).
     #[error("cannot lock {what} ({}): {cause}{}", path.display(), lock_advice(cause))]
@@ -232,6 +237,14 @@ pub fn without_errno(text: &str) -> String {
 
 /// What [`Error::NotAStore`] says after "holds no store": what the root holds, and the way out. A
 /// `locks` that is no directory is its owner's: `init` would refuse it.
+/// How a record that says nothing of its image is damaged: unreadable, or another image's.
+fn damage(holds: &Option<String>) -> String {
+    match holds {
+        Some(other) => format!("is image '{other}''s, not its own"),
+        None => "is damaged".into(),
+    }
+}
+
 fn not_a_store_detail(dir: &std::path::Path, held: Option<&str>) -> String {
     match held {
         Some("locks") => ": its 'locks' is no directory of a store (mistyped? move it away, or name another root)".into(),

@@ -721,7 +721,10 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
         let record = img.held.seen.record.as_ref();
         let error = match record.map(|r| r.state_seen(false)) {
             _ if gone.contains(&img.held.name) => Error::NoSuchImage(name),
-            _ if img.held.seen.damaged => Error::DamagedRecord { name, path },
+            _ if img.held.seen.damaged => {
+                let holds = img.held.seen.foreign.clone();
+                Error::DamagedRecord { name, path, holds }
+            }
             None | Some(State::Deleting) => Error::NoSuchImage(name),
             Some(State::Ready) => continue,
             Some(_) => Error::NotReady {

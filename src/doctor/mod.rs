@@ -636,7 +636,13 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-listed");
     let damaged: Vec<&Entry> = entries.iter().filter(|e| e.seen.damaged).collect();
-    let files: Vec<_> = damaged.iter().map(|e| e.path.display()).collect();
+    // A record of another image's (copied over) is named: it is where to look for the cause.
+    let files: Vec<_> = (damaged.iter())
+        .map(|e| match &e.seen.foreign {
+            Some(other) => format!("{} (image '{other}''s)", e.path.display()),
+            None => e.path.display().to_string(),
+        })
+        .collect();
     // The image a file is for, where its name says (hashed names do not).
     let (name, them) = match damaged[..] {
         [one] => (

@@ -388,8 +388,12 @@ fn a_write_over_a_record_that_cannot_be_read_ends_ready() {
         env.build("b", "true");
     }
     fs::copy(env.lock_file("b"), env.lock_file("a")).unwrap();
+    // The record is named whose it is, where the cause is to be found.
     let out = env.run(["exec", "--read", "a", "--", "true"]);
     assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(stderr(&out).contains("is image 'b''s"), "{}", show(&out));
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("(image 'b''s)"), "{}", show(&out));
     let out = env.run(["exec", "--write", "a", "--", "true"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(env.state("a").as_deref(), Some("ready"));
