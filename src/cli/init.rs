@@ -477,8 +477,8 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     // A claim binds too while its store holds its store-wide lock: its init may be switching to
     // the directory it just claimed, its configuration not naming it yet.
     let switching = || {
-        let file = crate::lock::open_existing_read(&Root::at(&theirs.path).store_wide_lock());
-        matches!(file, Ok(Some(f)) if crate::lock::no_writer_now(&f).is_ok_and(|free| !free))
+        let probe = crate::store_wide::probe(&Root::at(&theirs.path));
+        matches!(probe, Ok(crate::store_wide::Probe::Held))
     };
     if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !(theirs.binds(dir) || switching()) {
         return Ok(());
