@@ -79,6 +79,12 @@ impl Measure {
     }
 }
 
+/// The blocks an open file takes (a lock file: `df` gets them back once it is unlinked).
+pub fn blocks_of(file: &std::fs::File) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata().map_or(0, |m| m.blocks() * 512)
+}
+
 /// Measures `dir`; with `extents`, also which of its blocks are shared.
 pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     // Each linked inode's place in `out.shares.inodes`, to count its names.

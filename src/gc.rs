@@ -15,13 +15,13 @@
 //!   removed for the budget. What a removal frees is what `df` gets back: once anything goes,
 //!   every image is measured afresh, so blocks another image, or a name outside, keeps are not
 //!   counted.
-//! - `--dry-run` changes nothing: the same decisions, every lock released at once.
+//! - `--dry-run` changes nothing and takes no lock of an image (of a crashed removal, a moment's):
+//!   the same decisions, from locks looked at.
 //! - One gc removes at a time (`locks/gc.lock`, waited for holding nothing): two at once would each
 //!   remove down to the budget, counting the other's victims as staying. An image another process
 //!   removed since the survey, or is removing (its record says `deleting`), counts as gone.
 
 use std::collections::HashMap;
-use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -104,6 +104,9 @@ pub struct Report {
     /// Whether the images were measured: not where their directory could not be judged, and
     /// then `size_before` and `size_after` say nothing.
     pub measured: bool,
+    /// The sizes are those recorded, image by image, added up (nothing went, no budget was
+    /// exceeded): a file linked into several images counts in each, so they are at most that.
+    pub sizes_as_recorded: bool,
 }
 
 impl Report {
@@ -151,7 +154,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));
     let shares = (policy.max_size.is_some() || going) && disk_usage::can_share(&images_dir);
     let mut budget = Budget::new(store, &rows, &unlisted, shares, going)?;
-    (report.size_before, report.measured) = (budget.total, true);
+    budget.tell(&mut report);
     report.unknown = unknown(&rows, &unlisted);
     report.unknown.extend(elsewhere);
     crate::debug::pause("gc-listed");
@@ -175,6 +178,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             let gone = report.size_before.saturating_sub(budget.total);
             budget = Budget::new(store, &rows, &unlisted, shares, true)?;
             report.size_before = budget.total + gone;
+            report.sizes_as_recorded = false;
         }
         // Least recently used first, passing over one whose removal would free nothing now.
         rows.retain(|r| r.state == State::Ready);
@@ -258,6 +262,8 @@ struct Budget {
     cost: HashMap<String, Cost>,
     footprint: disk_usage::Footprint,
     total: u64,
+    /// Every image measured together, each inode and shared extent once (else sizes as recorded).
+    together: bool,
 }
 
 impl Budget {
@@ -297,7 +303,14 @@ impl Budget {
             cost,
             footprint,
             total,
+            together: fresh || shares,
         })
+    }
+
+    /// Says what the images take before anything goes, and how it was counted.
+    fn tell(&self, report: &mut Report) {
+        (report.size_before, report.measured) = (self.total, true);
+        report.sizes_as_recorded = !self.together;
     }
 
     fn frees(&self, r: &Image) -> u64 {
@@ -404,14 +417,15 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
     out
 }
 
-/// What finishing the removal `held` would free deleting its tree from the images directory (a
-/// tree already in the trash counts with the trash).
+/// What finishing the removal `held` would free: its tree deleted from the images directory (a
+/// tree already in the trash counts with the trash), and its lock file.
 fn would_free(root: &crate::root::Root, held: &Held) -> u64 {
     let Some(record) = held.seen.record.as_ref() else {
         return 0;
     };
     let tree = crate::images_dir::tree_of(root, record);
-    disk_usage::freed_by_deleting(&tree).unwrap_or(0)
+    let lock_file = disk_usage::blocks_of(held.guard.file());
+    disk_usage::freed_by_deleting(&tree).unwrap_or(0) + lock_file
 }
 
 /// The images whose records `entries` show `deleting`: removals under way or interrupted.
@@ -532,20 +546,20 @@ fn collect(
     };
     let root = store.root().clone();
     let path = root.image_lock(&name);
-    let Some((held, now)) = take_for_collect(&root, &name, img, bytes, budget, report)? else {
+    let Some((hold, now)) = take_for_collect(&root, &name, img, bytes, budget, report)? else {
         return Ok(false);
     };
     // A store-wide command holds the store: kept, as an image in use is.
-    if crate::store_wide::blocks(&root, &held.seen) {
+    if crate::store_wide::blocks(&root, hold.seen()) {
         report.kept_busy(img.name());
         return Ok(false);
     }
     // The record read under the lock is the truth (a write in flight is dead); last use as the
     // survey has it, bounded by when the lock file was written since. Not told why not: kept, as nothing shows it unused.
-    let Ok(written) = crate::planted::check_dated(&path, held.guard.file()) else {
+    let Ok(written) = crate::planted::check_dated(&path, hold.file()) else {
         return Ok(false);
     };
-    let recorded = held.seen.last_use.unwrap_or(now.changed).max(now.changed);
+    let recorded = hold.seen().last_use.unwrap_or(now.changed).max(now.changed);
     let mut entry = img.entry.clone();
     entry.written = written;
     let current = Image {
@@ -560,10 +574,11 @@ fn collect(
     {
         return Ok(false);
     }
+    crate::debug::pause("gc-judged");
     // Its lock file goes too, unless it must be left: `df` gets that back as well.
-    let mut lock_bytes = held.guard.file().metadata().map_or(0, |m| m.blocks() * 512);
+    let mut lock_bytes = disk_usage::blocks_of(hold.file());
     let mut left_in_trash = false;
-    if !report.dry_run {
+    if let Hold::Taken(held) = hold {
         match remove_named(&root, held, &name, bytes, report) {
             Some((left, lock_file_gone)) => {
                 left_in_trash = left;
@@ -584,8 +599,31 @@ fn collect(
     Ok(true)
 }
 
-/// Image `name`'s lock taken, its record read under it; `None` where it is busy (said), or gone or
-/// going by another's hand since the survey (gone from the budget, not ours).
+/// An image as [`collect`] judges it: its lock held for the removal, or in a dry run only looked at
+/// (a lock a dry run took would make a real gc, or a command that does not wait, find it busy).
+enum Hold {
+    Taken(Held),
+    Looked(std::fs::File, crate::image_record::Seen),
+}
+
+impl Hold {
+    fn file(&self) -> &std::fs::File {
+        match self {
+            Hold::Taken(held) => held.guard.file(),
+            Hold::Looked(file, _) => file,
+        }
+    }
+
+    fn seen(&self) -> &crate::image_record::Seen {
+        match self {
+            Hold::Taken(held) => &held.seen,
+            Hold::Looked(_, seen) => seen,
+        }
+    }
+}
+
+/// Image `name`'s lock taken (looked at, in a dry run), its record read; `None` where it is busy
+/// (said), or gone or going by another's hand since the survey (gone from the budget, not ours).
 fn take_for_collect(
     root: &crate::root::Root,
     name: &ImageName,
@@ -593,13 +631,17 @@ fn take_for_collect(
     bytes: u64,
     budget: &mut Budget,
     report: &mut Report,
-) -> Result<Option<(Held, crate::image_record::Record)>> {
+) -> Result<Option<(Hold, crate::image_record::Record)>> {
     let path = root.image_lock(name);
     let gone = |budget: &mut Budget| {
         budget.removed(img, bytes);
         Ok(None)
     };
-    let held = match take_exclusive(root, name, lock::IfMissing::Fail) {
+    let taken = match report.dry_run {
+        true => look_at(root, name),
+        false => take_exclusive(root, name, lock::IfMissing::Fail).map(|h| h.map(Hold::Taken)),
+    };
+    let hold = match taken {
         Ok(Some(h)) => h,
         Ok(None) if being_removed(&path, name) => return gone(budget),
         Ok(None) => {
@@ -609,9 +651,25 @@ fn take_for_collect(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return gone(budget),
         Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
     };
-    match held.seen.record.clone() {
-        Some(now) => Ok(Some((held, now))),
+    match hold.seen().record.clone() {
+        Some(now) => Ok(Some((hold, now))),
         None => gone(budget),
+    }
+}
+
+/// A dry run's [`take_exclusive`]: whether the lock is held, asked without taking it where the
+/// kernel can be asked (elsewhere a try, let go at once), and the record read beside it.
+fn look_at(root: &crate::root::Root, name: &ImageName) -> std::io::Result<Option<Hold>> {
+    let path = root.image_lock(name);
+    let gone = || std::io::Error::from(std::io::ErrorKind::NotFound);
+    match lock::look(&path, root.lock_queries())? {
+        lock::Probe::Missing => Err(gone()),
+        lock::Probe::Free => {
+            let file = lock::open_existing_read(&path)?.ok_or_else(gone)?;
+            let seen = crate::image_record::read_of(&file, name.as_str()).unwrap_or_default();
+            Ok(Some(Hold::Looked(file, seen)))
+        }
+        lock::Probe::Shared | lock::Probe::Exclusive => Ok(None),
     }
 }
 

@@ -231,8 +231,9 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
         Taken::Trashed(_) | Taken::Gone => 0,
     };
     still_ours(&held)?;
-    root.drop_record(&held.name, held.guard)?;
-    Ok(freed)
+    let lock_file = disk_usage::blocks_of(held.guard.file());
+    let left = root.drop_record(&held.name, held.guard)?;
+    Ok(freed + lock_file * u64::from(left.is_none()))
 }
 
 /// Before a removal's tree and then its record go: its lock, where it may be lost, must still be

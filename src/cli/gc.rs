@@ -104,9 +104,13 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
         None => String::new(),
     };
     let freed = format!("{frees} {}", disk_usage::human(report.bytes_freed));
+    let at_most = match report.sizes_as_recorded {
+        true => "at most ",
+        false => "",
+    };
     line(match report.measured {
         true => format!(
-            "{freed}; images {uses} {}{budget}",
+            "{freed}; images {uses} {at_most}{}{budget}",
             disk_usage::human(report.size_after)
         ),
         false => freed,

@@ -515,6 +515,68 @@ fn links_inside_the_trash_are_unlinked_not_followed() {
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
 
+/// A dry run takes no image's lock: while it judges an image, a command that does not wait takes
+/// it, and a real gc removes it.
+#[test]
+fn a_dry_run_takes_no_image_lock() {
+    let env = Env::new();
+    env.make_image("old");
+    let (dry, pause) = env.paused(["gc", "--dry-run", "--max-size", "0"], "gc-judged");
+    env.ok(["exec", "--no-wait", "--read", "old", "--", "true"]);
+    let out = env.ok(["gc", "--max-size", "0", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["removed"][0]["name"], "old", "{}", show(&out));
+    fs::remove_file(pause).unwrap();
+    let out = dry.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("old"), "{}", show(&out));
+}
+
+/// Where nothing was measured together, gc's figure adds up the sizes recorded image by image, a
+/// file linked into two images counted in each, and says it is at most that; measured together,
+/// each file counts once. It said "images would use 8.0 MiB" of 4 MiB, as if measured.
+#[test]
+fn sizes_added_up_as_recorded_are_said_to_be_at_most_that() {
+    let env = Env::new();
+    env.build(
+        "base",
+        "head -c 4194304 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    let link = "ln \"$STOWAGE_IMAGES_DIR/base/blob\" \"$STOWAGE_IMAGE_DIR/blob\"";
+    env.ok([
+        "exec", "--read", "base", "--write", "app", "--", "sh", "-c", link,
+    ]);
+    env.ok(["images"]);
+    let gc = |args: &[&str]| {
+        let out = env.ok(["gc", "--dry-run"].iter().chain(args));
+        let text = stdout(&env.ok(["gc", "--dry-run"].iter().chain(args).chain(&["--json"])));
+        let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+        (stdout(&out), report)
+    };
+    const MIB: u64 = 1 << 20;
+    // Where extents may be shared, every image is measured together whatever the options.
+    let (text, report) = gc(&[]);
+    if report["sizes_as_recorded"] == true {
+        assert!(
+            report["size_before"].as_u64().unwrap() >= 8 * MIB,
+            "{report}"
+        );
+        assert!(text.contains("images would use at most 8."), "{text}");
+    } else {
+        assert!(
+            report["size_before"].as_u64().unwrap() < 5 * MIB,
+            "{report}"
+        );
+    }
+    let (text, report) = gc(&["--max-size", "5M"]);
+    assert_eq!(report["sizes_as_recorded"], false, "{report}");
+    assert!(
+        report["size_before"].as_u64().unwrap() < 5 * MIB,
+        "{report}"
+    );
+    assert!(!text.contains("at most"), "{text}");
+}
+
 // --- interrupted removals ---------------------------------------------------
 
 #[test]
@@ -554,6 +616,41 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
         assert!(env.images_json().is_empty(), "{point}");
         assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
     }
+}
+
+/// What gc says it freed finishing removals a crash cut short is what `df` gets back, their lock
+/// files included (it left them out), and its dry run says the same.
+#[test]
+fn the_bytes_freed_finishing_killed_removals_are_what_df_gets_back() {
+    let Some(mnt) = Mount::tmpfs("size=64m") else {
+        return;
+    };
+    let env = mnt.env();
+    for (name, point) in [("marked", "rm-marked"), ("moved", "rm-moved")] {
+        env.build(
+            name,
+            "head -c 65536 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
+        );
+        let (bg, _pause) = env.paused(["rm", name], point);
+        bg.kill_all();
+    }
+    env.ok(["images"]);
+    let before = mnt.used();
+    let freed = |dry: bool| {
+        let mut c = env.cmd(["gc", "--json"]);
+        c.args(dry.then_some("--dry-run"));
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        report["bytes_freed"].as_u64().unwrap()
+    };
+    let (would, freed) = (freed(true), freed(false));
+    let got_back = before.saturating_sub(mnt.used());
+    assert_eq!(
+        freed, got_back,
+        "gc says it freed {freed}, df got back {got_back}"
+    );
+    assert_eq!(would, freed, "the dry run said {would}");
 }
 
 /// A removal killed once marked, finished by gc where the images directory
