@@ -10,6 +10,7 @@
 //!   adopted without one) is kept and reported.
 //! - Every image is removed under its exclusive lock, taken without waiting (a busy image is
 //!   skipped, however old), its record read again under it: a reason that stopped holding keeps it.
+//!   One a waiting command's lease lists as one it will take is in use too.
 //! - Sizes are allocated blocks, hard links once; `--max-size` is the space the images take (each
 //!   shared extent and linked inode once); an image whose removal would free nothing is not
 //!   removed for the budget. What a removal frees is what `df` gets back: once anything goes,
@@ -651,6 +652,11 @@ fn take_for_collect(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return gone(budget),
         Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
     };
+    // A command waiting for its slot or another lock will take it: in use, as a held one is.
+    if crate::lease::awaited(&root.leases(), &crate::root::Root::image_lock_rel(name)) {
+        report.kept_busy(img.name());
+        return Ok(None);
+    }
     match hold.seen().record.clone() {
         Some(now) => Ok(Some((hold, now))),
         None => gone(budget),

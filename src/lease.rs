@@ -166,7 +166,8 @@ pub fn retire() {
 }
 
 /// A lock a lease's owner holds or awaits, as listed: `hold=shared images/base.lock SINCE COMMAND`
-/// (or `await=…`), relative to `locks/`, SINCE in ms since the epoch.
+/// (or `await=…`, or `queue=…` for one to take once what it awaits is had), relative to `locks/`,
+/// SINCE in ms since the epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
     pub mode: Mode,
@@ -178,6 +179,8 @@ pub struct Holding {
     pub command: String,
     /// Exclusive only to read (`--read-exclusive`): written `exclusive-read`, claiming no write.
     pub reading: bool,
+    /// To be taken once what the owner awaits is had (`acquire::queue`): no wait of its own.
+    pub queued: bool,
 }
 
 impl Holding {
@@ -189,11 +192,16 @@ impl Holding {
             since: crate::clock::now_ms(),
             command: command.to_owned(),
             reading: false,
+            queued: false,
         }
     }
 
     fn line(&self) -> String {
-        let verb = if self.awaits { "await" } else { "hold" };
+        let verb = match (self.queued, self.awaits) {
+            (true, _) => "queue",
+            (false, true) => "await",
+            (false, false) => "hold",
+        };
         let mode = if self.reading {
             "exclusive-read"
         } else {
@@ -219,6 +227,7 @@ impl Holding {
             awaits,
             since: parts.next()?.parse().ok()?,
             command: parts.next().unwrap_or_default().to_owned(),
+            queued: false,
         })
     }
 }
@@ -264,8 +273,21 @@ pub fn note_all(leases: &Path, hs: Vec<Holding>) {
         for h in hs {
             // Listed already as it is (announced before the lock was taken): nothing to write.
             let same = |o: &Holding| {
-                (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
-                    == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
+                (
+                    &o.lockfile,
+                    o.mode,
+                    o.awaits,
+                    o.reading,
+                    o.queued,
+                    &o.command,
+                ) == (
+                    &h.lockfile,
+                    h.mode,
+                    h.awaits,
+                    h.reading,
+                    h.queued,
+                    &h.command,
+                )
             };
             if written && l.holdings.iter().any(same) {
                 continue;
@@ -516,6 +538,8 @@ pub struct Identity {
     pub start: Option<u64>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
+    /// The lock files it will take once it has what it awaits.
+    pub queued: Vec<String>,
     /// The leases of the execs the owner runs inside, outermost first.
     pub within: Vec<String>,
     /// The lease file's device and inode as read: they find its table entry even once unlinked.
@@ -592,6 +616,9 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "time_ns" if !v.is_empty() => id.time_ns = Some(v.to_owned()),
             "start" => id.start = v.parse().ok(),
             "hold" | "await" => id.holdings.extend(Holding::parse(k == "await", v)),
+            "queue" => id
+                .queued
+                .extend(Holding::parse(true, v).map(|h| h.lockfile)),
             "within" => {
                 id.within = v
                     .split(':')
@@ -625,6 +652,18 @@ fn names_in(dir: &crate::dir::Dir) -> Vec<String> {
         .filter_map(|n| n.into_string().ok())
         .filter(|n| valid_name(n))
         .collect()
+}
+
+/// Whether a live process lists lock file `lockfile` (relative to the locks) as one it awaits or
+/// will take once it has what it waits for (`acquire::queue`).
+pub fn awaited(leases: &Path, lockfile: &str) -> bool {
+    let awaits = |id: Identity| {
+        id.queued.iter().any(|q| q == lockfile)
+            || (id.holdings.iter()).any(|h| h.awaits && h.lockfile == lockfile)
+    };
+    listing(leases)
+        .iter()
+        .any(|n| identity(leases, n).is_some_and(awaits) && alive(leases, n).unwrap_or(true))
 }
 
 /// Whether lease `name` belongs to a live owner (its owner holds it locked). A name that is not a

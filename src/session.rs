@@ -67,6 +67,15 @@ enum Role {
     Write,
 }
 
+impl Role {
+    fn mode(self) -> Mode {
+        match self {
+            Role::Read => Mode::Shared,
+            Role::ReadExclusive | Role::Write => Mode::Exclusive,
+        }
+    }
+}
+
 struct Image {
     held: Held,
     role: Role,
@@ -151,6 +160,7 @@ impl Session {
             // Nothing to lock: the command is still told where images go.
             store.root().create_layout()?;
         }
+        crate::acquire::queue(queued(req, &wanted));
         let mut migrations = 0;
         loop {
             crate::signals::check()?;
@@ -586,11 +596,7 @@ fn take_images(
     let mut held: Vec<crate::lease::Holding> = slot.into_iter().collect();
     for (name, role) in wanted {
         let want = Want {
-            mode: if *role == Role::Read {
-                Mode::Shared
-            } else {
-                Mode::Exclusive
-            },
+            mode: role.mode(),
             create: *role == Role::Write,
             reading: *role == Role::ReadExclusive,
             deadline: req.deadline,
@@ -643,6 +649,17 @@ fn take_images(
 }
 
 /// Images to lock, in lock order (ascending ENC); one read and written is taken once, exclusively.
+/// What the lease lists of the images `wanted` while the command waits, before it takes them.
+fn queued(req: &Request, wanted: &[(ImageName, Role)]) -> Vec<crate::lease::Holding> {
+    let queued = wanted.iter().map(|(name, role)| {
+        let rel = Root::image_lock_rel(name);
+        let mut h = crate::lease::Holding::now(role.mode(), rel, true, &req.command);
+        (h.reading, h.queued) = (*role == Role::ReadExclusive, true);
+        h
+    });
+    queued.collect()
+}
+
 fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
     let mut wanted: Vec<(ImageName, Role)> = [
         (&req.reads, Role::Read),

@@ -4,8 +4,8 @@
 //! lock (`store_wide.rs`), is taken here: `image::take` for images (exec, rm), [`slot::acquire`]
 //! for slots. The rules they keep:
 //! - **Try, then announce, then wait.** A lock is first tried without blocking; only a busy one is
-//!   announced ("waiting for …", once) and listed as awaited in the lease, and the wait holds no
-//!   global lock.
+//!   announced ("waiting for …", once) and listed as awaited in the lease, with the image locks the
+//!   command takes after it as queued ([`queue`]), and the wait holds no global lock.
 //! - **No wait for oneself.** A lock an enclosing exec holds (`nested.rs`) is never waited for.
 //! - **Nothing left after a failure.** A timed-out or interrupted wait drops its lease line again.
 
@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use crate::error::{Busy, Error};
+use crate::error::{Busy, Error, locked};
 use crate::lease::Holding;
 use crate::lock::Waited;
 use crate::store::Store;
@@ -26,6 +26,16 @@ pub mod slot;
 pub(crate) fn waiting_since() -> Instant {
     static SINCE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     *SINCE.get_or_init(Instant::now)
+}
+
+/// The image locks this process takes after the one it waits for (listed as awaited meanwhile).
+static QUEUED: std::sync::Mutex<Vec<Holding>> = std::sync::Mutex::new(Vec::new());
+
+/// Names the image locks a command takes (after its slot, in lock order): while it waits for any
+/// lock, its lease lists those it has yet to take as queued, so gc keeps a base a queued build
+/// will read (`lease::awaited`).
+pub(crate) fn queue(images: Vec<Holding>) {
+    *locked(&QUEUED) = images;
 }
 
 /// Runs a wait announced as `what`, with `awaited` and the locks `held` already listed in our lease
@@ -42,6 +52,10 @@ pub(crate) fn wait_for<T>(
     let leases = store.root().leases();
     let lockfile = awaited.lockfile.clone();
     let mut listed = held.to_vec();
+    let later = locked(&QUEUED).clone().into_iter();
+    let taken =
+        |h: &Holding| h.lockfile == lockfile || held.iter().any(|o| o.lockfile == h.lockfile);
+    listed.extend(later.filter(|h| !taken(h)));
     listed.push(awaited);
     crate::lease::note_all(&leases, listed);
     let since = waiting_since();

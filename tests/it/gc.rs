@@ -577,6 +577,32 @@ fn sizes_added_up_as_recorded_are_said_to_be_at_most_that() {
     assert!(!text.contains("at most"), "{text}");
 }
 
+/// An image a command waiting for its slot, or for an image before it in the lock order, will
+/// take is in use: gc keeps it however long unused, and the command runs on it. gc removed it and
+/// the command, let in, exited 66.
+#[test]
+fn an_image_a_waiting_command_will_take_is_kept() {
+    let env = Env::new();
+    env.ok(["slots", "set", "build", "1"]);
+    env.make_image_used_long_ago("zbase");
+    env.make_image_used_long_ago("yold");
+    let slot = env.hold_until(&["--slot", "build"], "slot", "slot-go");
+    let image = env.hold_until(&["--write", "abusy"], "image", "image-go");
+    let by_slot = env.spawn(["exec", "--slot", "build", "--read", "zbase", "--", "true"]);
+    let by_image = env.spawn(["exec", "--write", "abusy", "--read", "yold", "--", "true"]);
+    env.wait_for_slot_waiters("build", 1);
+    env.wait_for_waiter("abusy");
+    let out = env.ok(["gc", "--unused-for", "1d", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["removed"], serde_json::json!([]), "{report}");
+    env.release("slot-go");
+    env.release("image-go");
+    for bg in [slot, image, by_slot, by_image] {
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    }
+}
+
 // --- interrupted removals ---------------------------------------------------
 
 #[test]
