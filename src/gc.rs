@@ -640,7 +640,7 @@ fn take_for_collect(
     };
     let taken = match report.dry_run {
         true => look_at(root, name),
-        false => take_exclusive(root, name, lock::IfMissing::Fail).map(|h| h.map(Hold::Taken)),
+        false => take_for_removal(root, name).map(|h| h.map(Hold::Taken)),
     };
     let hold = match taken {
         Ok(Some(h)) => h,
@@ -663,20 +663,56 @@ fn take_for_collect(
     }
 }
 
-/// A dry run's [`take_exclusive`]: whether the lock is held, asked without taking it where the
-/// kernel can be asked (elsewhere a try, let go at once), and the record read beside it.
+/// [`take_exclusive`] for a removal, once more a moment later if busy: a look that cannot ask the
+/// kernel (a dry run's, another host's) holds a lock for that moment.
+fn take_for_removal(root: &crate::root::Root, name: &ImageName) -> std::io::Result<Option<Held>> {
+    match take_exclusive(root, name, lock::IfMissing::Fail)? {
+        Some(held) => Ok(Some(held)),
+        None => {
+            std::thread::sleep(Duration::from_millis(2));
+            take_exclusive(root, name, lock::IfMissing::Fail)
+        }
+    }
+}
+
+/// A dry run's [`take_exclusive`]: whether the lock is held, asked without taking it (of the
+/// kernel's lock table where it shows every holder, else a query, else a try let go at once), and
+/// the record read beside it.
 fn look_at(root: &crate::root::Root, name: &ImageName) -> std::io::Result<Option<Hold>> {
     let path = root.image_lock(name);
     let gone = || std::io::Error::from(std::io::ErrorKind::NotFound);
-    match lock::look(&path, root.lock_queries())? {
-        lock::Probe::Missing => Err(gone()),
-        lock::Probe::Free => {
-            let file = lock::open_existing_read(&path)?.ok_or_else(gone)?;
-            let seen = crate::image_record::read_of(&file, name.as_str()).unwrap_or_default();
-            Ok(Some(Hold::Looked(file, seen)))
-        }
-        lock::Probe::Shared | lock::Probe::Exclusive => Ok(None),
+    let file = lock::open_existing_read(&path)?.ok_or_else(gone)?;
+    let held = match kernel_shows_held(root, &file) {
+        Some(held) => held,
+        None => match lock::look(&path, root.lock_queries())? {
+            lock::Probe::Missing => return Err(gone()),
+            lock::Probe::Free => false,
+            lock::Probe::Shared | lock::Probe::Exclusive => true,
+        },
+    };
+    if held {
+        return Ok(None);
     }
+    let seen = crate::image_record::read_of(&file, name.as_str()).unwrap_or_default();
+    Ok(Some(Hold::Looked(file, seen)))
+}
+
+/// Whether the kernel's lock table shows `file` locked; `None` where it cannot tell (a filesystem
+/// not local, a pid namespace whose table leaves holders out).
+fn kernel_shows_held(root: &crate::root::Root, file: &std::fs::File) -> Option<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let local = root.filesystem_now().is_some_and(|f| f.local);
+    if !local || !crate::kernel::shows_every_holder() {
+        return None;
+    }
+    let dev = crate::kernel::device_of(&root.locks())?;
+    let ino = file.metadata().ok()?.ino();
+    let table = crate::kernel::read_table().ok()?;
+    Some(
+        table
+            .get(&(dev, ino))
+            .is_some_and(|es| es.iter().any(|e| !e.blocked)),
+    )
 }
 
 /// Removes `name`, named by our lease while it goes (on another host nothing else names a

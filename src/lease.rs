@@ -196,7 +196,9 @@ impl Holding {
         }
     }
 
-    fn line(&self) -> String {
+    /// Its line in a lease; `same` (as the line before's command): written without the command, so
+    /// a command of many images, or a long one, stays within what readers read of a lease.
+    fn line(&self, same: bool) -> String {
         let verb = match (self.queued, self.awaits) {
             (true, _) => "queue",
             (false, true) => "await",
@@ -207,8 +209,14 @@ impl Holding {
         } else {
             self.mode.as_str()
         };
-        let command = self.command.replace('\n', "\\n");
-        format!("{verb}={mode} {} {} {command}\n", self.lockfile, self.since)
+        let (lockfile, since) = (&self.lockfile, self.since);
+        match same {
+            true => format!("{verb}={mode} {lockfile} {since}\n"),
+            false => format!(
+                "{verb}={mode} {lockfile} {since} {}\n",
+                self.command.replace('\n', "\\n")
+            ),
+        }
     }
 
     /// A `hold=` line's value, or with `awaits` an `await=` line's.
@@ -240,8 +248,13 @@ impl Lease {
             return;
         };
         let mut text = f.identity.clone();
-        for h in &self.holdings {
-            text.push_str(&h.line());
+        let mut before: Option<&str> = None;
+        // Queued lines last: a reader that reads only so much of a lease sees holds and waits.
+        let (queued, now): (Vec<&Holding>, Vec<&Holding>) =
+            self.holdings.iter().partition(|h| h.queued);
+        for h in now.into_iter().chain(queued) {
+            text.push_str(&h.line(before == Some(&h.command)));
+            before = Some(&h.command);
         }
         if text.len() < f.written {
             text.push_str(&"\n".repeat(f.written - text.len()));
@@ -597,6 +610,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     let mut bytes = Vec::new();
     io::Read::read_to_end(&mut io::Read::take(&file, IDENTITY_MAX), &mut bytes).ok()?;
     let text = String::from_utf8_lossy(&bytes);
+    let mut before = String::new();
     let mut id = Identity {
         file: Some((meta.dev(), meta.ino())),
         ..Identity::default()
@@ -615,10 +629,20 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
             "time_ns" if !v.is_empty() => id.time_ns = Some(v.to_owned()),
             "start" => id.start = v.parse().ok(),
-            "hold" | "await" => id.holdings.extend(Holding::parse(k == "await", v)),
-            "queue" => id
-                .queued
-                .extend(Holding::parse(true, v).map(|h| h.lockfile)),
+            "hold" | "await" | "queue" => {
+                let Some(mut h) = Holding::parse(k == "await", v) else {
+                    continue;
+                };
+                // A line without a command has the command of the line before.
+                match h.command.is_empty() {
+                    true => h.command.clone_from(&before),
+                    false => before.clone_from(&h.command),
+                }
+                match k {
+                    "queue" => id.queued.push(h.lockfile),
+                    _ => id.holdings.push(h),
+                }
+            }
             "within" => {
                 id.within = v
                     .split(':')

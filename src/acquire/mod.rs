@@ -52,11 +52,11 @@ pub(crate) fn wait_for<T>(
     let leases = store.root().leases();
     let lockfile = awaited.lockfile.clone();
     let mut listed = held.to_vec();
+    listed.push(awaited);
     let later = locked(&QUEUED).clone().into_iter();
     let taken =
         |h: &Holding| h.lockfile == lockfile || held.iter().any(|o| o.lockfile == h.lockfile);
     listed.extend(later.filter(|h| !taken(h)));
-    listed.push(awaited);
     crate::lease::note_all(&leases, listed);
     let since = waiting_since();
     let out = wait();

@@ -6,6 +6,7 @@
 
 use std::fs;
 use std::os::unix::fs::symlink;
+use std::process::Command;
 use std::time::Duration;
 
 use crate::common::*;
@@ -601,6 +602,34 @@ fn an_image_a_waiting_command_will_take_is_kept() {
         let out = bg.finish();
         assert_eq!(code(&out), Some(0), "{}", show(&out));
     }
+}
+
+/// On a local filesystem a dry run asks the kernel's lock table whether each image is held: it
+/// flocks no image's lock file even for a moment (its try of each, let go at once, made a real gc
+/// beside it keep an image as in use and remove a later one instead).
+#[test]
+fn a_dry_run_flocks_no_image_lock_file_locally() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    for name in ["a", "b", "c"] {
+        env.make_image(name);
+    }
+    env.ok(["images"]);
+    let log = env.sentinel("strace");
+    let mut c = Command::new("strace");
+    c.args(["-f", "-y", "-qq", "-e", "trace=flock", "-o"]);
+    c.arg(&log).arg(bin());
+    c.args(["--root", env.root.to_str().unwrap()]);
+    c.args(["gc", "--dry-run", "--max-size", "0"]);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("would remove 'c'"), "{}", show(&out));
+    let traced = fs::read_to_string(&log).unwrap();
+    let images = format!("{}/", env.root.join("locks/images").display());
+    let flocked: Vec<&str> = traced.lines().filter(|l| l.contains(&images)).collect();
+    assert!(flocked.is_empty(), "{flocked:#?}");
 }
 
 // --- interrupted removals ---------------------------------------------------

@@ -2444,3 +2444,38 @@ fn a_call_nested_that_cannot_read_its_ancestors_descriptors_knows_its_enclosing_
     }
     knows_its_enclosing_exec_through(&format!("setpriv {}", drop.join(" ")));
 }
+
+/// A command with a long command line, waiting for its slot with many images to take after it, is
+/// listed as waiting, and gc keeps those images: every lease line repeated the command, and past
+/// what readers read of a lease (64 KiB) the wait was not seen and an image it queued was removed.
+#[test]
+fn a_long_command_waiting_with_many_images_is_listed_and_its_images_kept() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "1"]);
+    let names: Vec<String> = (0..8).map(|i| format!("img{i}")).collect();
+    for name in &names {
+        env.make_image_used_long_ago(name);
+    }
+    let slot = env.hold_until(&["--slot", "c"], "slot", "go");
+    let mut args = vec!["exec".to_owned(), "--slot".into(), "c".into()];
+    for name in &names {
+        args.extend(["--read".into(), name.clone()]);
+    }
+    let long = "x".repeat(15_000);
+    args.extend([
+        "--".into(),
+        "sh".into(),
+        "-c".into(),
+        format!("true {long}"),
+    ]);
+    let waiter = env.spawn(args);
+    env.wait_for_slot_waiters("c", 1);
+    let out = env.ok(["gc", "--unused-for", "1d", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["removed"], serde_json::json!([]), "{report}");
+    env.release("go");
+    for bg in [slot, waiter] {
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    }
+}
