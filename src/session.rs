@@ -720,12 +720,12 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
         let path = root.image_lock(&img.held.name);
         let record = img.held.seen.record.as_ref();
         let error = match record.map(|r| r.state_seen(false)) {
-            _ if gone.contains(&img.held.name) => Error::NoSuchImage(name),
+            _ if gone.contains(&img.held.name) => Error::NoSuchImage(vec![name]),
             _ if img.held.seen.damaged => {
                 let holds = img.held.seen.foreign.clone();
                 Error::DamagedRecord { name, path, holds }
             }
-            None | Some(State::Deleting) => Error::NoSuchImage(name),
+            None | Some(State::Deleting) => Error::NoSuchImage(vec![name]),
             Some(State::Ready) => continue,
             Some(_) => Error::NotReady {
                 state: record.map(not_ready_why).unwrap_or_default(),

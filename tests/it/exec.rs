@@ -376,6 +376,28 @@ fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
     assert!(!env.root.join("img/app2").exists());
 }
 
+/// Reads of images that do not exist beside one that is busy fail at once,
+/// before any wait, naming every missing image on one line.
+#[test]
+fn reads_of_missing_images_beside_a_busy_one_name_them_all_at_once() {
+    let env = Env::new();
+    env.make_image("a");
+    let writer = env.hold(&["--write", "a"], "started");
+    let args = [
+        "exec", "--read", "a", "--read", "typo1", "--read", "typo0", "--", "true",
+    ];
+    let out = env.run(args);
+    env.release("release");
+    assert_eq!(writer.finish().status.code(), Some(0));
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("images 'typo1', 'typo0' do not exist"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_start_that_fails_leaves_no_lock_file() {
     let env = Env::new();

@@ -155,6 +155,41 @@ fn rm_of_a_locked_image_gives_75_and_keeps_it() {
     );
 }
 
+/// Names that do not exist are found before any wait: an rm of an image in
+/// use and of missing names exits 66 at once, naming every missing one on
+/// one line, and waits for nothing and removes nothing (with or without a
+/// bound on the wait).
+#[test]
+fn rm_names_every_missing_image_before_any_wait() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let reader = env.hold(&["--read", "a"], "started");
+    let out = env.run(["rm", "--no-wait", "a", "typo", "b", "zz"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    // Without a bound a wait for 'a' would last as long as its reader.
+    let mut rm = env.spawn(["rm", "a", "typo", "b", "zz"]);
+    let waits = |env: &Env| {
+        env.lock_entry("a")
+            .is_some_and(|e| e["waiters"] != serde_json::json!([]))
+    };
+    wait_until("rm ends or waits for 'a'", || {
+        !rm.is_running() || waits(&env)
+    });
+    let ended = !rm.is_running();
+    env.release("release");
+    assert_eq!(reader.finish().status.code(), Some(0));
+    let out = rm.finish();
+    assert!(ended, "rm waited for 'a': {}", show(&out));
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("images 'typo', 'zz' do not exist"), "{err}");
+    for name in ["a", "b"] {
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name} kept");
+    }
+}
+
 #[test]
 fn sigkill_during_rm_is_finished_by_repair() {
     for point in ["rm-marked", "rm-moved"] {
