@@ -14,7 +14,7 @@
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
@@ -850,25 +850,40 @@ impl Trail {
     }
 }
 
-/// Raises the soft limit on open files to the hard one while it lives (for a deep walk).
-pub struct MoreFiles(Option<(rlim_t, rlim_t)>);
+/// The limit on open files (soft, hard) stowage was started with, if [`raise_open_files`] raised it.
+static GIVEN_OPEN_FILES: std::sync::OnceLock<(rlim_t, rlim_t)> = std::sync::OnceLock::new();
 
-impl MoreFiles {
-    pub fn raise() -> MoreFiles {
-        let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
-            return MoreFiles(None);
-        };
-        let raised = soft < hard && setrlimit(RLIMIT_NOFILE, hard, hard).is_ok();
-        MoreFiles(raised.then_some((soft, hard)))
+/// Raises the soft limit on open files to the hard one for the whole run, once, at start: a command
+/// may hold a descriptor per image (rm, exec, gc, doctor, the listings), a deep walk two per level.
+/// What stowage starts gets the limit it was given ([`with_given_open_files`]).
+pub fn raise_open_files() {
+    let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft < hard && setrlimit(RLIMIT_NOFILE, hard, hard).is_ok() {
+        let _ = GIVEN_OPEN_FILES.set((soft, hard));
     }
 }
 
-impl Drop for MoreFiles {
-    fn drop(&mut self) {
-        if let Some((soft, hard)) = self.0 {
-            let _ = setrlimit(RLIMIT_NOFILE, soft, hard);
-        }
-    }
+/// The limit on open files stowage was given, if it raised it: what a process it starts must get.
+pub fn given_open_files() -> Option<(rlim_t, rlim_t)> {
+    GIVEN_OPEN_FILES.get().copied()
+}
+
+/// Runs `start` (a spawn) under the limit on open files stowage was given, which the new process
+/// inherits, ours again after (no other thread opens files meanwhile) — unless a descriptor it is
+/// to inherit (`inherited`) lies beyond that limit: then, as one it could not have held, it gets ours.
+pub fn with_given_open_files<T>(inherited: &[RawFd], start: impl FnOnce() -> T) -> T {
+    let given = given_open_files();
+    let Some((soft, hard)) =
+        given.filter(|(soft, _)| inherited.iter().all(|&fd| (fd as rlim_t) < *soft))
+    else {
+        return start();
+    };
+    let _ = setrlimit(RLIMIT_NOFILE, soft, hard);
+    let started = start();
+    let _ = setrlimit(RLIMIT_NOFILE, hard, hard);
+    started
 }
 
 /// Reads the list or a value of extended attributes into a growing buffer, `size` bytes at first.

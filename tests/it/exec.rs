@@ -398,6 +398,41 @@ fn reads_of_missing_images_beside_a_busy_one_name_them_all_at_once() {
     );
 }
 
+/// An exec holds a lock per image: one reading more images than the soft
+/// limit on open files allows runs, the limit raised to the hard one; the
+/// command gets the limit stowage was given, unless it inherits descriptors
+/// beyond it (then ours, as it could not hold them otherwise).
+#[test]
+fn an_exec_of_more_images_than_the_soft_limit_on_open_files_runs() {
+    let env = Env::new();
+    let names: Vec<String> = (0..80).map(|i| format!("m{i}")).collect();
+    for name in &names {
+        env.ok(["exec", "--write", name, "--", "true"]);
+    }
+    let soft_limit = "echo $(ulimit -Sn) $(ulimit -Hn)";
+    let hard = stdout(&env.ok(["exec", "--", "sh", "-c", soft_limit]));
+    let hard = hard.split_whitespace().nth(1).unwrap().to_owned();
+    let reads = names.iter().flat_map(|n| ["--read", n.as_str()]);
+    for (inherit, soft) in [(true, hard.as_str()), (false, "40")] {
+        let mut args = vec!["exec"];
+        args.extend(reads.clone());
+        args.extend((!inherit).then_some("--no-inherit"));
+        args.extend(["--", "sh", "-c", soft_limit]);
+        let out = output(with_soft_files_limit(&env, 40, &args));
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        assert_eq!(
+            stdout(&out).trim(),
+            format!("{soft} {hard}"),
+            "{}",
+            show(&out)
+        );
+    }
+    // Few descriptors inherited: the limit it was given.
+    let args = ["exec", "--read", "m0", "--", "sh", "-c", soft_limit];
+    let out = output(with_soft_files_limit(&env, 40, &args));
+    assert_eq!(stdout(&out).trim(), format!("40 {hard}"), "{}", show(&out));
+}
+
 #[test]
 fn a_start_that_fails_leaves_no_lock_file() {
     let env = Env::new();

@@ -190,6 +190,22 @@ fn rm_names_every_missing_image_before_any_wait() {
     }
 }
 
+/// An rm holds a lock per image: one of more images than the soft limit on
+/// open files allows removes them all, the limit raised to the hard one.
+#[test]
+fn rm_of_more_images_than_the_soft_limit_on_open_files_removes_them_all() {
+    let env = Env::new();
+    let names: Vec<String> = (0..80).map(|i| format!("m{i}")).collect();
+    for name in &names {
+        env.ok(["exec", "--write", name, "--", "true"]);
+    }
+    let mut args = vec!["rm"];
+    args.extend(names.iter().map(String::as_str));
+    let out = output(with_soft_files_limit(&env, 40, &args));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.images_json(), Vec::<serde_json::Value>::new());
+}
+
 #[test]
 fn sigkill_during_rm_is_finished_by_repair() {
     for point in ["rm-marked", "rm-moved"] {
