@@ -305,6 +305,38 @@ impl Dir {
         Ok(nix::fcntl::renameat(&self.fd, a, &to.fd, b)?)
     }
 
+    /// [`Dir::rename_to`] for a directory moved to another parent, which needs write permission
+    /// on it (its `..` changes): refused so, one of ours without owner write (an image's `/` of mode
+    /// 555) gets it through an `O_PATH|O_NOFOLLOW` descriptor and the move is tried again; its mode
+    /// is put back if that fails too.
+    pub fn move_dir_to(
+        &self,
+        name: impl AsRef<OsStr>,
+        to: &Dir,
+        to_name: impl AsRef<OsStr>,
+    ) -> io::Result<()> {
+        let (name, to_name) = (name.as_ref(), to_name.as_ref());
+        let refused = match self.rename_to(name, to, to_name) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => e,
+            other => return other,
+        };
+        let Ok(top) = self.anchor_sub(name) else {
+            return Err(refused);
+        };
+        let mode = match top.stat() {
+            Ok(st) if st.uid == me() && st.mode & 0o200 == 0 => (st.mode & 0o7777) as libc::mode_t,
+            _ => return Err(refused),
+        };
+        if chmod_o_path(top.as_raw_fd(), mode | 0o200).is_err() {
+            return Err(refused);
+        }
+        let moved = self.rename_to(name, to, to_name);
+        if moved.is_err() {
+            let _ = chmod_o_path(top.as_raw_fd(), mode);
+        }
+        moved
+    }
+
     /// Renames `name` aside here as `NAME.WHY-TIME` (`-N` added while taken), never over an
     /// entry: nothing is followed or deleted. Returns the new name; `name` gone is `NotFound`.
     pub fn set_aside(&self, name: &str, why: &str) -> io::Result<String> {

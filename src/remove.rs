@@ -287,7 +287,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         return Taken::Refused(anyhow::anyhow!("{shown} is {what}, not an image tree"));
     }
     let dest = trash_entry_name(root, enc);
-    match images.rename_to(enc, trash, &dest) {
+    match images.move_dir_to(enc, trash, &dest) {
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;

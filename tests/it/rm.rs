@@ -400,6 +400,48 @@ fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
     }
 }
 
+/// An image whose top directory its owner may not write (a rootfs `/` of
+/// mode 555 or 500) is removed by rm and by gc: moving a directory to
+/// another parent needs write permission on it, lent for the move. A move
+/// refused anyway (the trash not writable) puts its mode back.
+#[test]
+fn an_image_whose_top_directory_its_owner_may_not_write_is_removed() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = unprivileged_env();
+    let names = || {
+        let out = unprivileged(&env, &["images", "--json"]);
+        let images: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        images
+            .iter()
+            .map(|i| format!("{} {}", i["name"], i["state"]))
+            .collect::<Vec<_>>()
+    };
+    for (name, mode) in [("a", "555"), ("b", "500"), ("c", "555")] {
+        let script =
+            format!("cd \"$STOWAGE_IMAGE_DIR\" && mkdir d && touch d/f f && chmod {mode} .");
+        unprivileged_build(&env, name, &script);
+    }
+    let out = unprivileged(&env, &["rm", "a"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(names(), ["\"b\" \"ready\"", "\"c\" \"ready\""]);
+    let trash = env.root.join("trash");
+    fs::set_permissions(&trash, fs::Permissions::from_mode(0o555)).unwrap();
+    let out = unprivileged(&env, &["rm", "c"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let mode = fs::symlink_metadata(env.images_dir().join("c"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0o555, "the mode is put back");
+    assert_eq!(names(), ["\"b\" \"ready\"", "\"c\" \"ready\""]);
+    fs::set_permissions(&trash, fs::Permissions::from_mode(0o755)).unwrap();
+    let out = unprivileged(&env, &["gc", "--max-size", "0"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(names(), Vec::<String>::new());
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+    assert_eq!(fs::read_dir(env.images_dir()).unwrap().count(), 0);
+}
+
 /// Makes `path` immutable (chattr +i) for the life of the guard, if the
 /// filesystem supports it.
 struct Immutable(PathBuf);
