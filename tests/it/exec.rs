@@ -376,8 +376,9 @@ fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
     assert!(!env.root.join("img/app2").exists());
 }
 
-/// Reads of images that do not exist beside one that is busy fail at once,
-/// before any wait, naming every missing image on one line.
+/// Reads (shared or exclusive) of images that do not exist beside one that
+/// is busy fail at once, before any wait, naming every missing image on one
+/// line.
 #[test]
 fn reads_of_missing_images_beside_a_busy_one_name_them_all_at_once() {
     let env = Env::new();
@@ -387,8 +388,6 @@ fn reads_of_missing_images_beside_a_busy_one_name_them_all_at_once() {
         "exec", "--read", "a", "--read", "typo1", "--read", "typo0", "--", "true",
     ];
     let out = env.run(args);
-    env.release("release");
-    assert_eq!(writer.finish().status.code(), Some(0));
     assert_eq!(code(&out), Some(66), "{}", show(&out));
     let err = stderr(&out);
     assert_eq!(err.lines().count(), 1, "{err}");
@@ -396,41 +395,39 @@ fn reads_of_missing_images_beside_a_busy_one_name_them_all_at_once() {
         err.contains("images 'typo1', 'typo0' do not exist"),
         "{err}"
     );
-}
-
-/// An exec holds a lock per image: one reading more images than the soft
-/// limit on open files allows runs, the limit raised to the hard one; the
-/// command gets the limit stowage was given, unless it inherits descriptors
-/// beyond it (then ours, as it could not hold them otherwise).
-#[test]
-fn an_exec_of_more_images_than_the_soft_limit_on_open_files_runs() {
-    let env = Env::new();
-    let names: Vec<String> = (0..80).map(|i| format!("m{i}")).collect();
-    for name in &names {
-        env.ok(["exec", "--write", name, "--", "true"]);
-    }
-    let soft_limit = "echo $(ulimit -Sn) $(ulimit -Hn)";
-    let hard = stdout(&env.ok(["exec", "--", "sh", "-c", soft_limit]));
-    let hard = hard.split_whitespace().nth(1).unwrap().to_owned();
-    let reads = names.iter().flat_map(|n| ["--read", n.as_str()]);
-    for (inherit, soft) in [(true, hard.as_str()), (false, "40")] {
-        let mut args = vec!["exec"];
-        args.extend(reads.clone());
-        args.extend((!inherit).then_some("--no-inherit"));
-        args.extend(["--", "sh", "-c", soft_limit]);
-        let out = output(with_soft_files_limit(&env, 40, &args));
-        assert_eq!(code(&out), Some(0), "{}", show(&out));
-        assert_eq!(
-            stdout(&out).trim(),
-            format!("{soft} {hard}"),
-            "{}",
-            show(&out)
-        );
-    }
-    // Few descriptors inherited: the limit it was given.
-    let args = ["exec", "--read", "m0", "--", "sh", "-c", soft_limit];
-    let out = output(with_soft_files_limit(&env, 40, &args));
-    assert_eq!(stdout(&out).trim(), format!("40 {hard}"), "{}", show(&out));
+    let exclusive = [
+        "exec",
+        "--read",
+        "a",
+        "--read-exclusive",
+        "zz",
+        "--",
+        "true",
+    ];
+    let mut no_wait = exclusive.to_vec();
+    no_wait.insert(1, "--no-wait");
+    let out = env.run(&no_wait);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    // Without a bound a wait for 'a' would last as long as its writer.
+    let mut exec = env.spawn(exclusive);
+    let waits = |env: &Env| {
+        env.lock_entry("a")
+            .is_some_and(|e| e["waiters"] != serde_json::json!([]))
+    };
+    wait_until("exec ends or waits for 'a'", || {
+        !exec.is_running() || waits(&env)
+    });
+    let ended = !exec.is_running();
+    env.release("release");
+    assert_eq!(writer.finish().status.code(), Some(0));
+    let out = exec.finish();
+    assert!(ended, "exec waited for 'a': {}", show(&out));
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'zz' does not exist"),
+        "{}",
+        show(&out)
+    );
 }
 
 #[test]
