@@ -97,8 +97,15 @@ fn take_all(
     command: &str,
 ) -> Result<Option<Vec<Held>>> {
     // Every name that does not exist, said at once and before any wait for the others (a hint:
-    // each image is judged again under its lock).
-    crate::acquire::image::require_all(store.root(), names)?;
+    // each image is judged again under its lock). Their record-less lock files go, if free.
+    let missing = crate::acquire::image::missing(store.root(), names);
+    if !missing.is_empty() {
+        let free = missing
+            .iter()
+            .filter_map(|n| crate::acquire::image::try_exclusive(store.root(), n));
+        remove::release_unclaimed(store.root(), free.collect(), &[]);
+        return Err(crate::acquire::image::no_such_all(&missing));
+    }
     let mut held = Vec::with_capacity(names.len());
     // Listed in our lease (with a wait, and once all are taken): on another host nothing else names
     // the holder of a removal.
