@@ -146,7 +146,6 @@ pub fn copy_tree_at(
     dst: &Path,
     progress: &mut Bar,
 ) -> Result<Copied> {
-    let _files = dir::MoreFiles::raise();
     // A bar never shown needs no total: the base is not walked for it.
     if progress.enabled {
         // What the copy reads: the lengths of the regular files.

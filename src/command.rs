@@ -37,7 +37,8 @@ pub fn start(
     let ours =
         (umask.filter(|_| !no_inherit)).map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
     let started = signals.spawn(|| match &prepared {
-        Some(prepared) => prepared.launch().map(|pid| (Start::Command, pid)),
+        Some(prepared) => crate::dir::with_given_open_files(lock_fds, || prepared.launch())
+            .map(|pid| (Start::Command, pid)),
         None => crate::keeper::become_subreaper().and_then(|()| {
             let k = Keeper::spawn(command, env, lock_fds, umask)?;
             Ok((Start::Keeper, keeper.insert(k).pid))

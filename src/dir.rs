@@ -14,7 +14,7 @@
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
@@ -303,6 +303,38 @@ impl Dir {
     ) -> io::Result<()> {
         let (a, b) = (name.as_ref(), to_name.as_ref());
         Ok(nix::fcntl::renameat(&self.fd, a, &to.fd, b)?)
+    }
+
+    /// [`Dir::rename_to`] for a directory moved to another parent, which needs write permission
+    /// on it (its `..` changes): refused so, one of ours without owner write (an image's `/` of mode
+    /// 555) gets it through an `O_PATH|O_NOFOLLOW` descriptor and the move is tried again; its mode
+    /// is put back if that fails too.
+    pub fn move_dir_to(
+        &self,
+        name: impl AsRef<OsStr>,
+        to: &Dir,
+        to_name: impl AsRef<OsStr>,
+    ) -> io::Result<()> {
+        let (name, to_name) = (name.as_ref(), to_name.as_ref());
+        let refused = match self.rename_to(name, to, to_name) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => e,
+            other => return other,
+        };
+        let Ok(top) = self.anchor_sub(name) else {
+            return Err(refused);
+        };
+        let mode = match top.stat() {
+            Ok(st) if st.uid == me() && st.mode & 0o200 == 0 => (st.mode & 0o7777) as libc::mode_t,
+            _ => return Err(refused),
+        };
+        if chmod_o_path(top.as_raw_fd(), mode | 0o200).is_err() {
+            return Err(refused);
+        }
+        let moved = self.rename_to(name, to, to_name);
+        if moved.is_err() {
+            let _ = chmod_o_path(top.as_raw_fd(), mode);
+        }
+        moved
     }
 
     /// Renames `name` aside here as `NAME.WHY-TIME` (`-N` added while taken), never over an
@@ -850,25 +882,40 @@ impl Trail {
     }
 }
 
-/// Raises the soft limit on open files to the hard one while it lives (for a deep walk).
-pub struct MoreFiles(Option<(rlim_t, rlim_t)>);
+/// The limit on open files (soft, hard) stowage was started with, if [`raise_open_files`] raised it.
+static GIVEN_OPEN_FILES: std::sync::OnceLock<(rlim_t, rlim_t)> = std::sync::OnceLock::new();
 
-impl MoreFiles {
-    pub fn raise() -> MoreFiles {
-        let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
-            return MoreFiles(None);
-        };
-        let raised = soft < hard && setrlimit(RLIMIT_NOFILE, hard, hard).is_ok();
-        MoreFiles(raised.then_some((soft, hard)))
+/// Raises the soft limit on open files to the hard one for the whole run, once, at start: a command
+/// may hold a descriptor per image (rm, exec, gc, doctor, the listings), a deep walk two per level.
+/// What stowage starts gets the limit it was given ([`with_given_open_files`]).
+pub fn raise_open_files() {
+    let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft < hard && setrlimit(RLIMIT_NOFILE, hard, hard).is_ok() {
+        let _ = GIVEN_OPEN_FILES.set((soft, hard));
     }
 }
 
-impl Drop for MoreFiles {
-    fn drop(&mut self) {
-        if let Some((soft, hard)) = self.0 {
-            let _ = setrlimit(RLIMIT_NOFILE, soft, hard);
-        }
-    }
+/// The limit on open files stowage was given, if it raised it: what a process it starts must get.
+pub fn given_open_files() -> Option<(rlim_t, rlim_t)> {
+    GIVEN_OPEN_FILES.get().copied()
+}
+
+/// Runs `start` (a spawn) under the limit on open files stowage was given, which the new process
+/// inherits, ours again after (no other thread opens files meanwhile) — unless a descriptor it is
+/// to inherit (`inherited`) lies beyond that limit: then, as one it could not have held, it gets ours.
+pub fn with_given_open_files<T>(inherited: &[RawFd], start: impl FnOnce() -> T) -> T {
+    let given = given_open_files();
+    let Some((soft, hard)) =
+        given.filter(|(soft, _)| inherited.iter().all(|&fd| (fd as rlim_t) < *soft))
+    else {
+        return start();
+    };
+    let _ = setrlimit(RLIMIT_NOFILE, soft, hard);
+    let started = start();
+    let _ = setrlimit(RLIMIT_NOFILE, hard, hard);
+    started
 }
 
 /// Reads the list or a value of extended attributes into a growing buffer, `size` bytes at first.

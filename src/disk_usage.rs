@@ -145,7 +145,6 @@ type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 /// Calls `visit` on every entry under `dir` (the top as `.`), depth first, on the top's mount;
 /// skips vanished entries. False if a directory could not be read (counted as itself).
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
-    let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),

@@ -61,9 +61,9 @@ pub enum Error {
     #[error(transparent)]
     InvalidName(#[from] InvalidName),
 
-    /// The image has no row (exit 66).
-    #[error("image '{0}' does not exist")]
-    NoSuchImage(String),
+    /// The images (one or more, named at once) do not exist (exit 66).
+    #[error("{}", no_such_images(.0))]
+    NoSuchImage(Vec<String>),
 
     /// No process has this pid on this host (exit 66, as a named image that does not exist).
     #[error("no process has pid {0} (on this host, in this pid namespace)")]
@@ -151,6 +151,15 @@ impl std::fmt::Display for Busy {
             let secs = self.waited.as_secs_f64();
             write!(f, "gave up after {secs:.1} s waiting for {what}: {holders}")
         }
+    }
+}
+
+/// "image 'a' does not exist", or "images 'a', 'b' do not exist".
+fn no_such_images(names: &[String]) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
+    match quoted.as_slice() {
+        [one] => format!("image {one} does not exist"),
+        many => format!("images {} do not exist", many.join(", ")),
     }
 }
 

@@ -746,30 +746,59 @@ fn remove_named(
     }
 }
 
-/// Parses a size (`500M`, `4096B`): K, M, G, T, P are powers of 1024, `B`/`iB` optional after them.
-/// Bytes need `B` (a forgotten `G` must not empty the store), `0` no unit; a byte count is whole.
-pub fn parse_size(raw: &str) -> Option<u64> {
+/// Why a size does not parse.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BadSize {
+    /// A number other than 0 without a unit: bytes need `B` (a forgotten `G` must not empty the
+    /// store).
+    NoUnit,
+    /// More bytes than 64 bits count.
+    TooLarge,
+    /// Not a size.
+    Invalid,
+}
+
+/// Parses a size: a number, blanks allowed, and a unit — `B` for bytes (a whole number), or K M G T
+/// P E (powers of 1024) with `B` or `iB` optional after it — in any case (`4096B`, `5k`, `500MB`,
+/// `2GiB`, `1.5T`); `0` needs none. Integer arithmetic: a byte count is exact, a fraction of a unit
+/// is rounded down to whole bytes.
+pub fn parse_size(raw: &str) -> Result<u64, BadSize> {
     let s = raw.trim();
-    if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
-        return s.parse::<f64>().ok().filter(|n| *n == 0.0).map(|_| 0);
+    let end = (s.find(|c: char| !(c.is_ascii_digit() || c == '.'))).unwrap_or(s.len());
+    let (number, unit) = s.split_at(end);
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if fraction.contains('.') || (whole.is_empty() && fraction.is_empty()) {
+        return Err(BadSize::Invalid);
     }
-    let digits = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(digits);
-    let num: f64 = num.parse().ok()?;
-    let unit = unit.trim();
-    let unit = unit
-        .strip_suffix("iB")
-        .or_else(|| unit.strip_suffix('B'))
-        .unwrap_or(unit);
-    let mult = match unit.to_ascii_uppercase().as_str() {
-        "" if num.fract() == 0.0 => 1.0,
-        u if u.len() == 1 => 1024f64.powi(1 + "KMGTP".find(u)? as i32),
-        _ => return None,
+    let zero = |digits: &str| digits.bytes().all(|b| b == b'0');
+    let power = match unit.trim_start().to_ascii_uppercase().as_str() {
+        "" if zero(whole) && zero(fraction) => return Ok(0),
+        "" => return Err(BadSize::NoUnit),
+        "B" if zero(fraction) => 0,
+        "B" => return Err(BadSize::Invalid),
+        u => match u.split_at_checked(1) {
+            Some((first, "" | "B" | "IB")) if let Some(i) = "KMGTPE".find(first) => {
+                10 * (i as u32 + 1)
+            }
+            _ => return Err(BadSize::Invalid),
+        },
     };
-    let bytes = num * mult;
-    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+    let unit = 1u128 << power;
+    // Digits past the 19th are worth less than a byte of any unit.
+    let fraction = &fraction[..fraction.len().min(19)];
+    let tenths = 10u128.pow(fraction.len() as u32);
+    // Digits only (checked above): a number that does not parse is too long.
+    let number = |digits: &str| match digits {
+        "" => Some(0),
+        d => d.parse::<u128>().ok(),
+    };
+    let (Some(whole), Some(part)) = (number(whole), number(fraction)) else {
+        return Err(BadSize::TooLarge);
+    };
+    let bytes = (whole.checked_mul(unit)).and_then(|b| b.checked_add(part * unit / tenths));
+    bytes
+        .and_then(|b| u64::try_from(b).ok())
+        .ok_or(BadSize::TooLarge)
 }
 
 #[cfg(test)]
@@ -778,15 +807,37 @@ mod tests {
 
     #[test]
     fn sizes() {
-        assert_eq!(parse_size("4096B"), Some(4096));
-        assert_eq!(parse_size("500M"), Some(500 << 20));
-        assert_eq!(parse_size("20G"), Some(20 << 30));
-        assert_eq!(parse_size("1.5K"), Some(1536));
-        assert_eq!(parse_size("2GiB"), Some(2 << 30));
-        assert_eq!(parse_size("3 MB"), Some(3 << 20));
-        assert_eq!(parse_size("0"), Some(0));
-        for bad in ["", "-1G", "lots", "5X", "1e3", "nanG", "20", "1.5", "1.5B"] {
-            assert_eq!(parse_size(bad), None, "{bad}");
+        let ok = |raw: &str, bytes: u64| assert_eq!(parse_size(raw), Ok(bytes), "{raw}");
+        ok("4096B", 4096);
+        ok("500M", 500 << 20);
+        ok("20G", 20 << 30);
+        ok("1.5K", 1536);
+        ok("2GiB", 2 << 30);
+        ok("3 MB", 3 << 20);
+        ok("0", 0);
+        ok("5b", 5);
+        ok("5kb", 5 << 10);
+        ok("5k", 5 << 10);
+        ok("5KIB", 5 << 10);
+        ok("1E", 1 << 60);
+        ok(".5K", 512);
+        ok("0.1K", 102);
+        ok("18446744073709551615B", u64::MAX);
+        ok("15.999999999999999999E", u64::MAX - 1);
+        for bad in [
+            "", "-1G", "lots", "5X", "1e3", "nanG", "1.5B", "5iB", "1..5G", ".", "5KBB",
+        ] {
+            assert_eq!(parse_size(bad), Err(BadSize::Invalid), "{bad}");
+        }
+        for bare in ["20", "1.5"] {
+            assert_eq!(parse_size(bare), Err(BadSize::NoUnit), "{bare}");
+        }
+        for big in [
+            "18446744073709551616B",
+            "16E",
+            "99999999999999999999999999999999999999999K",
+        ] {
+            assert_eq!(parse_size(big), Err(BadSize::TooLarge), "{big}");
         }
     }
 }

@@ -85,8 +85,12 @@ impl Keeper {
         // The keeper starts with our mask, so the signals we take come to it in order, and with the
         // lock waits' own signal blocked too: a program just started has no handler for it.
         let wake = crate::lock::wake_signal();
+        // Under the limit on open files we were given: the keeper raises it for itself, and the
+        // command gets it.
         let spawned = crate::signals::with_blocked(wake, || {
-            spawn::spawn(Some(exe), &args, env, Start::Keeper)
+            crate::dir::with_given_open_files(&[], || {
+                spawn::spawn(Some(exe), &args, env, Start::Keeper)
+            })
         });
         let pid = spawned.map_err(|e| {
             io::Error::new(
@@ -261,6 +265,11 @@ fn run(args: &[OsString]) -> io::Result<()> {
 /// The command, in stowage's process group, mask reset, umask set, dying with the keeper.
 fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::process::Command {
     let me = unsafe { libc::getpid() };
+    // The limit on open files our own start was given, as the command's (ours is raised).
+    let given = crate::dir::given_open_files().map(|(soft, hard)| libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    });
     let mut cmd = std::process::Command::new(&argv[0]);
     cmd.args(&argv[1..]).process_group(group);
     // SAFETY: only async-signal-safe calls between fork and exec (and this process has one thread).
@@ -271,6 +280,9 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
             nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&none), None)?;
             if let Some(mask) = umask {
                 libc::umask(mask as libc::mode_t);
+            }
+            if let Some(limit) = &given {
+                libc::setrlimit(libc::RLIMIT_NOFILE, limit);
             }
             // If the keeper is killed, so is the command; stowage inherits the rest of the tree.
             cvt(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;

@@ -66,7 +66,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         // The file (perhaps made by the very lock taken) names nothing.
         let _ = root.unlink_lock(held.guard);
         root.unlink_gate(&held.name);
-        return Err(crate::Error::NoSuchImage(held.name.as_str().to_owned()).into());
+        return Err(crate::Error::NoSuchImage(vec![held.name.as_str().to_owned()]).into());
     };
     let state = before.state_seen(false);
     if let Some(theirs) = crate::images_dir::named_elsewhere(root, &before)? {
@@ -288,7 +288,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         return Taken::Refused(anyhow::anyhow!("{shown} is {what}, not an image tree"));
     }
     let dest = trash_entry_name(root, enc);
-    match images.rename_to(enc, trash, &dest) {
+    match images.move_dir_to(enc, trash, &dest) {
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;

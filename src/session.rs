@@ -52,6 +52,17 @@ pub struct Request {
     pub command: String,
 }
 
+impl Request {
+    /// The images read, shared or exclusively: they must exist, which is asked before any wait.
+    fn to_read(&self) -> Vec<ImageName> {
+        self.reads
+            .iter()
+            .chain(&self.exclusive_reads)
+            .cloned()
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Success,
@@ -184,6 +195,7 @@ impl Session {
 
     fn attempt(store: &Store, req: &Request, wanted: &[(ImageName, Role)]) -> Result<Attempt> {
         let root = store.root().clone();
+        let to_read = req.to_read();
         // The slot first, in the lock order.
         let mut slot = match &req.slot {
             Some((class, prio)) => crate::acquire::slot::take(
@@ -193,12 +205,12 @@ impl Session {
                 req.deadline,
                 req.no_wait,
                 &req.command,
-                &req.reads,
+                &to_read,
             )?,
             None => None,
         };
         let listed_slot = slot.as_mut().map(|s| s.listing(&root, &req.command));
-        let images = match take_images(store, req, wanted, listed_slot)? {
+        let images = match take_images(store, req, wanted, &to_read, listed_slot)? {
             Ok(images) => images,
             Err(again) => return Ok(again),
         };
@@ -587,6 +599,7 @@ fn take_images(
     store: &Store,
     req: &Request,
     wanted: &[(ImageName, Role)],
+    to_read: &[ImageName],
     slot: Option<crate::lease::Holding>,
 ) -> Taken {
     let root = store.root();
@@ -602,7 +615,7 @@ fn take_images(
             deadline: req.deadline,
             no_wait: req.no_wait,
             command: &req.command,
-            must_exist: &req.reads,
+            must_exist: to_read,
             held: &held,
         };
         waited_for.push(name.clone());
@@ -737,12 +750,12 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
         let path = root.image_lock(&img.held.name);
         let record = img.held.seen.record.as_ref();
         let error = match record.map(|r| r.state_seen(false)) {
-            _ if gone.contains(&img.held.name) => Error::NoSuchImage(name),
+            _ if gone.contains(&img.held.name) => Error::NoSuchImage(vec![name]),
             _ if img.held.seen.damaged => {
                 let holds = img.held.seen.foreign.clone();
                 Error::DamagedRecord { name, path, holds }
             }
-            None | Some(State::Deleting) => Error::NoSuchImage(name),
+            None | Some(State::Deleting) => Error::NoSuchImage(vec![name]),
             Some(State::Ready) => continue,
             Some(_) => Error::NotReady {
                 state: record.map(not_ready_why).unwrap_or_default(),

@@ -370,21 +370,39 @@ fn wait_image(
     got
 }
 
-/// Before a wait: [`Error::NoSuchImage`] (66) if one of `names` has no record, read without the lock
-/// (two slots make that safe). Only absence is final: any state may become readable meanwhile.
+/// Before a wait: [`Error::NoSuchImage`] (66) naming every one of `names` that is [`missing`].
 pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
-    for n in names {
-        let seen = match lock::open_existing_read(&root.image_lock(n)) {
-            Ok(Some(f)) => image_record::read_of(&f, n.as_str()).unwrap_or_default(),
-            _ => Seen::default(),
-        };
-        if seen.unrecorded() {
-            return Err(no_such(n));
-        }
+    match missing(root, names).as_slice() {
+        [] => Ok(()),
+        gone => Err(no_such_all(gone)),
     }
-    Ok(())
+}
+
+/// The images of `names` without a lock file or with one that holds no record, read without the
+/// lock (two slots make that safe). Only absence is final: any state may become readable
+/// meanwhile, and a file that cannot be read is judged under its lock.
+pub(crate) fn missing<'a>(root: &Root, names: &'a [ImageName]) -> Vec<&'a ImageName> {
+    let absent = |n: &ImageName| match lock::open_existing_read(&root.image_lock(n)) {
+        Ok(None) => true,
+        Ok(Some(f)) => image_record::read_of(&f, n.as_str()).is_ok_and(|s| s.unrecorded()),
+        Err(_) => false,
+    };
+    names.iter().filter(|n| absent(n)).collect()
+}
+
+/// [`Error::NoSuchImage`] naming all of `names`.
+pub(crate) fn no_such_all(names: &[&ImageName]) -> anyhow::Error {
+    Error::NoSuchImage(names.iter().map(|n| n.as_str().to_owned()).collect()).into()
+}
+
+/// The exclusive lock of `name`, with its record, if it is free now (tried, never awaited).
+pub(crate) fn try_exclusive(root: &Root, name: &ImageName) -> Option<Held> {
+    match try_image(root, name, Mode::Exclusive, false) {
+        Ok(Tried::Got(held)) => Some(*held),
+        _ => None,
+    }
 }
 
 fn no_such(name: &ImageName) -> anyhow::Error {
-    Error::NoSuchImage(name.as_str().to_owned()).into()
+    Error::NoSuchImage(vec![name.as_str().to_owned()]).into()
 }

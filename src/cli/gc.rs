@@ -15,7 +15,7 @@ use crate::store::Store;
     stowage gc --max-size 20G --dry-run # what would go to fit 20 GiB\n\
     An image in use (locked) is never removed, however old.")]
 pub struct Args {
-    /// Remove least recently used images until the images fit SIZE (500M, 20G; bytes: 4096B)
+    /// Remove least recently used images until the images fit SIZE: K M G T P E are powers of 1024, B or iB optional (500M, 20GiB, 1.5T); bytes: 4096B
     #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     max_size: Option<String>,
     #[arg(long, value_name = "DURATION", allow_hyphen_values = true, help = concat!(
@@ -52,12 +52,21 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 /// The policy the options ask for; a size or duration that does not parse is a usage error.
 fn policy(args: &Args) -> Result<Policy> {
     let size = |raw: &String| {
-        gc::parse_size(raw).ok_or_else(|| {
-            let t = raw.trim();
-            Error::Usage(if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
-                format!("--max-size '{t}': give a unit (e.g. {t}G, {t}M, or {t}B for bytes)")
-            } else {
-                format!("--max-size '{raw}': not a size (e.g. 500M, 20G, 1.5T, or 4096B)")
+        let t = raw.trim();
+        gc::parse_size(raw).map_err(|why| {
+            Error::Usage(match why {
+                gc::BadSize::NoUnit if t.contains('.') => {
+                    format!("--max-size '{t}': give a unit (e.g. {t}G or {t}M)")
+                }
+                gc::BadSize::NoUnit => {
+                    format!("--max-size '{t}': give a unit (e.g. {t}G, {t}M, or {t}B for bytes)")
+                }
+                gc::BadSize::TooLarge => {
+                    format!("--max-size '{t}': too large (at most 18446744073709551615B, 16E less a byte)")
+                }
+                gc::BadSize::Invalid => {
+                    format!("--max-size '{raw}': not a size (e.g. 500M, 20G, 1.5T, or 4096B)")
+                }
             })
         })
     };

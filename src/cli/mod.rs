@@ -103,6 +103,8 @@ enum Command {
 }
 
 pub fn main() -> ExitCode {
+    // No descriptor is opened for it: before the inherited ones are noted.
+    crate::dir::raise_open_files();
     crate::kernel::note_inherited();
     let args: Vec<OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == crate::keeper::ARG) {

@@ -96,6 +96,16 @@ fn take_all(
     no_wait: bool,
     command: &str,
 ) -> Result<Option<Vec<Held>>> {
+    // Every name that does not exist, said at once and before any wait for the others (a hint:
+    // each image is judged again under its lock). Their record-less lock files go, if free.
+    let missing = crate::acquire::image::missing(store.root(), names);
+    if !missing.is_empty() {
+        let free = missing
+            .iter()
+            .filter_map(|n| crate::acquire::image::try_exclusive(store.root(), n));
+        remove::release_unclaimed(store.root(), free.collect(), &[]);
+        return Err(crate::acquire::image::no_such_all(&missing));
+    }
     let mut held = Vec::with_capacity(names.len());
     // Listed in our lease (with a wait, and once all are taken): on another host nothing else names
     // the holder of a removal.
@@ -124,7 +134,7 @@ fn take_all(
         held.push(h);
         if missing {
             remove::release_unclaimed(store.root(), held, &[]);
-            return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
+            return Err(crate::Error::NoSuchImage(vec![name.as_str().to_owned()]).into());
         }
     }
     if held.iter().any(|h| h.seen.store_wide) {

@@ -58,7 +58,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
         && chains.is_empty()
         && image(n).is_none_or(|r| r.image_state.is_none() && r.holders.is_empty())
     {
-        return Err(crate::Error::NoSuchImage(n.as_str().to_owned()).into());
+        return Err(crate::Error::NoSuchImage(vec![n.as_str().to_owned()]).into());
     }
     if json {
         let doc = WhyJson {

@@ -1259,6 +1259,21 @@ pub fn chown(p: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
 }
 
+/// `stowage --root ROOT ARGS…` with the soft limit on open files lowered
+/// to `soft` (the hard one kept), as `ulimit -Sn` in a shell does.
+pub fn with_soft_files_limit(env: &Env, soft: u32, args: &[&str]) -> Command {
+    let mut c = Command::new("sh");
+    c.args([
+        "-c",
+        &format!("ulimit -Sn {soft} && exec \"$0\" \"$@\""),
+        bin(),
+    ]);
+    c.arg("--root").arg(&env.root).args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    c.stdin(Stdio::null());
+    c
+}
+
 /// `setpriv` to run as nobody (65534), if this test runs as root and the
 /// tool is there.
 pub fn as_nobody() -> Option<Command> {

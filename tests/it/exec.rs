@@ -376,6 +376,60 @@ fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
     assert!(!env.root.join("img/app2").exists());
 }
 
+/// Reads (shared or exclusive) of images that do not exist beside one that
+/// is busy fail at once, before any wait, naming every missing image on one
+/// line.
+#[test]
+fn reads_of_missing_images_beside_a_busy_one_name_them_all_at_once() {
+    let env = Env::new();
+    env.make_image("a");
+    let writer = env.hold(&["--write", "a"], "started");
+    let args = [
+        "exec", "--read", "a", "--read", "typo1", "--read", "typo0", "--", "true",
+    ];
+    let out = env.run(args);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("images 'typo1', 'typo0' do not exist"),
+        "{err}"
+    );
+    let exclusive = [
+        "exec",
+        "--read",
+        "a",
+        "--read-exclusive",
+        "zz",
+        "--",
+        "true",
+    ];
+    let mut no_wait = exclusive.to_vec();
+    no_wait.insert(1, "--no-wait");
+    let out = env.run(&no_wait);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    // Without a bound a wait for 'a' would last as long as its writer.
+    let mut exec = env.spawn(exclusive);
+    let waits = |env: &Env| {
+        env.lock_entry("a")
+            .is_some_and(|e| e["waiters"] != serde_json::json!([]))
+    };
+    wait_until("exec ends or waits for 'a'", || {
+        !exec.is_running() || waits(&env)
+    });
+    let ended = !exec.is_running();
+    env.release("release");
+    assert_eq!(writer.finish().status.code(), Some(0));
+    let out = exec.finish();
+    assert!(ended, "exec waited for 'a': {}", show(&out));
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'zz' does not exist"),
+        "{}",
+        show(&out)
+    );
+}
+
 #[test]
 fn a_start_that_fails_leaves_no_lock_file() {
     let env = Env::new();

@@ -254,6 +254,38 @@ fn an_unused_for_longer_than_history_removes_nothing() {
     assert!(removed(&report).is_empty(), "{report}");
 }
 
+/// One size grammar: a unit of K M G T P E (powers of 1024) in any case,
+/// with `B` or `iB` optional after it, or `B` for bytes, counted exactly;
+/// `iB` alone is no unit, and a size past 64 bits is refused (64).
+#[test]
+fn max_size_takes_units_in_any_case_and_exact_byte_counts() {
+    let env = Env::new();
+    env.make_image("kept");
+    for size in [
+        "5b",
+        "5kb",
+        "5KiB",
+        "5 m",
+        "1.5T",
+        "2e",
+        "18446744073709551615B",
+    ] {
+        let out = env.run(["gc", "--dry-run", "--json", "--max-size", size]);
+        assert_eq!(code(&out), Some(0), "{size}: {}", show(&out));
+    }
+    for (size, why) in [
+        ("5iB", "not a size"),
+        ("5kbb", "not a size"),
+        ("18446744073709551616B", "too large"),
+        ("16E", "too large"),
+    ] {
+        let out = env.run(["gc", "--max-size", size]);
+        assert_eq!(code(&out), Some(64), "{size}: {}", show(&out));
+        assert!(stderr(&out).contains(why), "{size}: {}", show(&out));
+    }
+    assert_eq!(env.state("kept").as_deref(), Some("ready"));
+}
+
 #[test]
 fn gc_bad_arguments_exit_64() {
     let env = Env::new();

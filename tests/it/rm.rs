@@ -155,6 +155,57 @@ fn rm_of_a_locked_image_gives_75_and_keeps_it() {
     );
 }
 
+/// Names that do not exist are found before any wait: an rm of an image in
+/// use and of missing names exits 66 at once, naming every missing one on
+/// one line, and waits for nothing and removes nothing (with or without a
+/// bound on the wait).
+#[test]
+fn rm_names_every_missing_image_before_any_wait() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let reader = env.hold(&["--read", "a"], "started");
+    let out = env.run(["rm", "--no-wait", "a", "typo", "b", "zz"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    // Without a bound a wait for 'a' would last as long as its reader.
+    let mut rm = env.spawn(["rm", "a", "typo", "b", "zz"]);
+    let waits = |env: &Env| {
+        env.lock_entry("a")
+            .is_some_and(|e| e["waiters"] != serde_json::json!([]))
+    };
+    wait_until("rm ends or waits for 'a'", || {
+        !rm.is_running() || waits(&env)
+    });
+    let ended = !rm.is_running();
+    env.release("release");
+    assert_eq!(reader.finish().status.code(), Some(0));
+    let out = rm.finish();
+    assert!(ended, "rm waited for 'a': {}", show(&out));
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("images 'typo', 'zz' do not exist"), "{err}");
+    for name in ["a", "b"] {
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name} kept");
+    }
+}
+
+/// An rm holds a lock per image: one of more images than the soft limit on
+/// open files allows removes them all, the limit raised to the hard one.
+#[test]
+fn rm_of_more_images_than_the_soft_limit_on_open_files_removes_them_all() {
+    let env = Env::new();
+    let names: Vec<String> = (0..80).map(|i| format!("m{i}")).collect();
+    for name in &names {
+        env.ok(["exec", "--write", name, "--", "true"]);
+    }
+    let mut args = vec!["rm"];
+    args.extend(names.iter().map(String::as_str));
+    let out = output(with_soft_files_limit(&env, 40, &args));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.images_json(), Vec::<serde_json::Value>::new());
+}
+
 #[test]
 fn sigkill_during_rm_is_finished_by_repair() {
     for point in ["rm-marked", "rm-moved"] {
@@ -347,6 +398,48 @@ fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
         let out = unprivileged(&env, args);
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
+}
+
+/// An image whose top directory its owner may not write (a rootfs `/` of
+/// mode 555 or 500) is removed by rm and by gc: moving a directory to
+/// another parent needs write permission on it, lent for the move. A move
+/// refused anyway (the trash not writable) puts its mode back.
+#[test]
+fn an_image_whose_top_directory_its_owner_may_not_write_is_removed() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = unprivileged_env();
+    let names = || {
+        let out = unprivileged(&env, &["images", "--json"]);
+        let images: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        images
+            .iter()
+            .map(|i| format!("{} {}", i["name"], i["state"]))
+            .collect::<Vec<_>>()
+    };
+    for (name, mode) in [("a", "555"), ("b", "500"), ("c", "555")] {
+        let script =
+            format!("cd \"$STOWAGE_IMAGE_DIR\" && mkdir d && touch d/f f && chmod {mode} .");
+        unprivileged_build(&env, name, &script);
+    }
+    let out = unprivileged(&env, &["rm", "a"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(names(), ["\"b\" \"ready\"", "\"c\" \"ready\""]);
+    let trash = env.root.join("trash");
+    fs::set_permissions(&trash, fs::Permissions::from_mode(0o555)).unwrap();
+    let out = unprivileged(&env, &["rm", "c"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let mode = fs::symlink_metadata(env.images_dir().join("c"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0o555, "the mode is put back");
+    assert_eq!(names(), ["\"b\" \"ready\"", "\"c\" \"ready\""]);
+    fs::set_permissions(&trash, fs::Permissions::from_mode(0o755)).unwrap();
+    let out = unprivileged(&env, &["gc", "--max-size", "0"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(names(), Vec::<String>::new());
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+    assert_eq!(fs::read_dir(env.images_dir()).unwrap().count(), 0);
 }
 
 /// Makes `path` immutable (chattr +i) for the life of the guard, if the
