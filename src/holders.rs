@@ -518,6 +518,7 @@ impl<'c> Look<'c> {
         if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
             (state, holders) = self.held_by_whom(path, &rel, state, entries.as_deref());
         }
+        listed_once(&holders, &mut waiters);
         LockReport {
             kind,
             name: name.to_owned(),
@@ -628,7 +629,16 @@ impl<'c> Look<'c> {
         };
         match self.lease_of_pid(path, e) {
             Some((n, id)) if fits(&id) => {
-                let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
+                // Granted, it may list the lock (a slot: its class) as awaited still: for what.
+                let line = id.holdings.iter().find(|h| {
+                    h.lockfile == rel
+                        || rel
+                            .strip_prefix(&h.lockfile)
+                            .is_some_and(|r| r.starts_with('/'))
+                });
+                let command = line.map_or(&id.command, |l| &l.command);
+                let mut h = Holding::now(e.mode, rel.to_owned(), e.blocked, command);
+                h.reading = line.is_some_and(|l| l.reading);
                 vec![Party {
                     since: id.since,
                     pid: e.pid,
@@ -788,6 +798,14 @@ impl<'c> Look<'c> {
             slot: None,
         }
     }
+}
+
+/// Takes out of `waiters` every party a lease names that holds the lock too: one that was granted
+/// the lock still lists it as awaited until it rewrites its lease, and the table (or its taker
+/// found there later) shows it holding. A stowage process never holds and awaits one lock at once.
+pub fn listed_once(holders: &[Party], waiters: &mut Vec<Party>) {
+    let holds = |w: &Party| w.lease.is_some() && holders.iter().any(|h| h.lease == w.lease);
+    waiters.retain(|w| !holds(w));
 }
 
 /// What each lease in `dir` that `wanted` names says (those that can be read).
