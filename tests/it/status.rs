@@ -1259,6 +1259,57 @@ fn every_child_that_kept_a_lock_is_named_beside_a_live_reader() {
     assert!(holders.iter().all(|h| !h["pid"].is_null()), "{entry}");
 }
 
+/// An exec SIGKILLed while its command runs: the command keeps the lock it
+/// inherited, with the lease (alive: the command holds it) or having
+/// closed the lease (dead). lock-status and a busy reader name the command
+/// by its pid, as kept, for the command and time the lease gives. Before,
+/// its pid was null ("held (write) by a process on HOST"), though the
+/// table and /proc showed it.
+#[test]
+fn a_lock_kept_by_the_command_of_a_killed_exec_names_that_command() {
+    // The command closes the lease it inherited, keeping the lock.
+    let close_lease = r#"for f in /proc/$$/fd/*; do case $(readlink "$f") in *.lease) eval "exec ${f##*/}>&-";; esac; done; "#;
+    for prefix in ["", close_lease] {
+        let env = Env::new();
+        env.make_image("k");
+        let started = env.sentinel("started");
+        // One process holds the lock (a loop's children would hold it too), ended by the test.
+        let script = format!("{prefix}echo $$ > '{}'; exec sleep 60", started.display());
+        let mut exec = env.spawn(["exec", "--write", "k", "--", "sh", "-c", &script]);
+        wait_until("the command runs", || {
+            fs::read_to_string(&started).is_ok_and(|t| t.ends_with('\n'))
+        });
+        let command: u64 = fs::read_to_string(&started)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        exec.signal(libc::SIGKILL);
+        let _ = exec.child.as_mut().unwrap().wait();
+        let entry = env.lock_entry("k").unwrap();
+        let out = env.run(["exec", "--read", "k", "--no-wait", "--", "true"]);
+        // SAFETY: the pid of our child's command, which we end.
+        unsafe { libc::kill(command as i32, libc::SIGKILL) };
+        if !table_names_holders(&env) {
+            eprintln!("skipping: this filesystem's lock table names no holder");
+            return;
+        }
+        let holders = entry["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "{entry}");
+        assert_eq!(holders[0]["pid"], command, "{entry}");
+        assert_eq!(holders[0]["kept"], true, "{entry}");
+        assert!(holders[0]["since"].is_string(), "{entry}");
+        assert_eq!(code(&out), Some(75), "{}", show(&out));
+        let said = format!("held (write) by pid {command} ");
+        assert!(stderr(&out).contains(&said), "{}", show(&out));
+        assert!(
+            stderr(&out).contains("after the exec that took it ended"),
+            "{}",
+            show(&out)
+        );
+    }
+}
+
 /// Whether the root's filesystem is one whose lock table names every holder's pid (local).
 fn table_names_holders(env: &Env) -> bool {
     let fs = env.status_json(Vec::<String>::new())["filesystem"].clone();
