@@ -501,7 +501,7 @@ impl<'c> Look<'c> {
         let mut state = self.state(path, entries.as_deref(), &listing);
         let mut claimed = vec![false; entries.as_ref().map_or(0, Vec::len)];
         let (mut holders, mut waiters) =
-            self.leased(&listing, entries.as_deref(), state, &mut claimed);
+            self.leased(path, &listing, entries.as_deref(), state, &mut claimed);
         let mut vanished = false;
         for (e, _) in entries.iter().flatten().zip(claimed).filter(|(_, c)| !c) {
             let parties = self.unclaimed(&listing, path, &rel, e);
@@ -518,6 +518,7 @@ impl<'c> Look<'c> {
         if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
             (state, holders) = self.held_by_whom(path, &rel, state, entries.as_deref());
         }
+        listed_once(&holders, &mut waiters);
         LockReport {
             kind,
             name: name.to_owned(),
@@ -541,6 +542,7 @@ impl<'c> Look<'c> {
     /// The holders and waiters live leases name, each claiming its own table entry (listed once).
     fn leased(
         &self,
+        path: &Path,
         listing: &Listing,
         entries: Option<&[Entry]>,
         state: Probe,
@@ -562,6 +564,17 @@ impl<'c> Look<'c> {
                 continue;
             }
             let party = self.party(n, id, h);
+            // Its owner gone, a command that inherited the lease with the lock keeps both alive.
+            if let Some(e) = (entries.zip(taker))
+                .filter(|_| party.pid.is_none() && !h.awaits && state == held_as(h.mode))
+                .and_then(|(es, t)| es.iter().find(|e| !e.blocked && e.pid == Some(t)))
+            {
+                let kept = self.kept_from(path, n, h, e);
+                if !kept.is_empty() {
+                    holders.extend(kept);
+                    continue;
+                }
+            }
             match h.awaits {
                 // On a free lock too: a writer stopped there (^Z, SIGSTOP) keeps the gate.
                 true => waiters.push(party),
@@ -615,6 +628,10 @@ impl<'c> Look<'c> {
             })
         });
         if let Some((n, id, h)) = dead {
+            let kept = self.kept_from(path, n, h, e);
+            if !kept.is_empty() {
+                return kept;
+            }
             return vec![Party {
                 pid: None,
                 ..Party::leased(n, id, h)
@@ -628,7 +645,16 @@ impl<'c> Look<'c> {
         };
         match self.lease_of_pid(path, e) {
             Some((n, id)) if fits(&id) => {
-                let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
+                // Granted, it may list the lock (a slot: its class) as awaited still: for what.
+                let line = id.holdings.iter().find(|h| {
+                    h.lockfile == rel
+                        || rel
+                            .strip_prefix(&h.lockfile)
+                            .is_some_and(|r| r.starts_with('/'))
+                });
+                let command = line.map_or(&id.command, |l| &l.command);
+                let mut h = Holding::now(e.mode, rel.to_owned(), e.blocked, command);
+                h.reading = line.is_some_and(|l| l.reading);
                 vec![Party {
                     since: id.since,
                     pid: e.pid,
@@ -652,6 +678,20 @@ impl<'c> Look<'c> {
                 }]
             }
         }
+    }
+
+    /// The processes whose own descriptors hold the lock at `path` that the exec of lease `n` took
+    /// (its line `h`; the table's entry `e`), its owner gone: its command, or what that left, where
+    /// /proc tells; for what and since when the lease says.
+    fn kept_from(&self, path: &Path, n: &str, h: &Holding, e: &Entry) -> Vec<Party> {
+        let kept = self.kept_by(path, e).into_iter().map(|p| Party {
+            stowage: Some(true),
+            lease: Some(n.to_owned()),
+            since: Some(h.since),
+            reading: h.reading,
+            ..p
+        });
+        kept.collect()
     }
 
     /// The local processes whose own fds hold the lock at `path`, where the table's entry
@@ -679,9 +719,9 @@ impl<'c> Look<'c> {
         // have exited meanwhile, its ancestors unread: a holder no more).
         let running =
             |p: &u32| ident::stat_fields(p).is_some_and(|f| !f.trim_start().starts_with('Z'));
-        let kept = others
-            .into_iter()
-            .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a)))
+        // So one below another that kept it: the command named, not each of its children.
+        let kept = (others.iter().copied())
+            .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a) || others.contains(&a)))
             .filter(running);
         let party = |pid| Party {
             kept: true,
@@ -788,6 +828,14 @@ impl<'c> Look<'c> {
             slot: None,
         }
     }
+}
+
+/// Takes out of `waiters` every party a lease names that holds the lock too: one that was granted
+/// the lock still lists it as awaited until it rewrites its lease, and the table (or its taker
+/// found there later) shows it holding. A stowage process never holds and awaits one lock at once.
+pub fn listed_once(holders: &[Party], waiters: &mut Vec<Party>) {
+    let holds = |w: &Party| w.lease.is_some() && holders.iter().any(|h| h.lease == w.lease);
+    waiters.retain(|w| !holds(w));
 }
 
 /// What each lease in `dir` that `wanted` names says (those that can be read).
@@ -897,8 +945,8 @@ fn describe(p: &Party) -> String {
         None => {}
     }
     match p.stowage {
-        Some(true) => {}
         _ if p.kept => s.push_str(", which kept it after the exec that took it ended"),
+        Some(true) => {}
         Some(false) if p.pid.is_some() => s.push_str(", not started by stowage"),
         _ => s.push_str(" that stowage cannot identify (outside stowage, or on another host)"),
     }

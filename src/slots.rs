@@ -347,7 +347,9 @@ pub fn report_of(
         }
         holders.extend(r.holders);
     }
-    let waiters = look.awaiting(&root.locks_rel(&dir));
+    let mut waiters = look.awaiting(&root.locks_rel(&dir));
+    // A waiter granted a slot awaits its class in its lease until it lists the slot.
+    crate::holders::listed_once(&holders, &mut waiters);
     LockReport {
         kind: LockKind::Slot,
         name: class.to_owned(),

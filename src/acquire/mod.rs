@@ -60,6 +60,9 @@ pub(crate) fn wait_for<T>(
     crate::lease::note_all(&leases, listed);
     let since = waiting_since();
     let out = wait();
+    if let Ok(Waited::Acquired(_)) = &out {
+        crate::debug::pause("lock-granted");
+    }
     crate::lease::forget(&leases, &lockfile);
     out?.or_else_busy(|| {
         Error::Busy(Busy {

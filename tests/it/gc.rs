@@ -902,6 +902,35 @@ fn two_gcs_at_once_remove_only_down_to_the_budget() {
     assert!(gc_lock_entry(&env).is_none());
 }
 
+/// A gc granted the gc lock lists it as awaited until it rewrites its
+/// lease: paused there, lock-status lists it once, as the gc lock's holder,
+/// never also as its waiter. Before, it was listed both ways.
+#[test]
+fn a_gc_granted_the_gc_lock_is_listed_once_as_its_holder() {
+    let env = lru_store();
+    let (first, go) = env.paused(["gc", "--json", "--max-size", "2.5M"], "gc-listed");
+    let granted = env.sentinel("paused.lock-granted");
+    let mut c = env.cmd(["gc", "--json", "--max-size", "2.5M"]);
+    c.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("lock-granted:{}", granted.display()),
+    );
+    let second = Bg::from_command(c);
+    let pid = second.pid();
+    env.wait_for_waiting_pid(pid, "second gc");
+    fs::remove_file(&go).unwrap();
+    assert_eq!(code(&first.finish()), Some(0));
+    wait_for_file(&granted);
+    let entry = gc_lock_entry(&env).expect("the gc lock is shown while a gc holds it");
+    fs::remove_file(&granted).unwrap();
+    assert_eq!(code(&second.finish()), Some(0));
+    let listed = |what: &str| {
+        let parties = entry[what].as_array().unwrap();
+        parties.iter().filter(|p| p["pid"] == pid).count()
+    };
+    assert_eq!((listed("holders"), listed("waiters")), (1, 0), "{entry}");
+}
+
 /// An image another process began to remove after gc's survey (its record
 /// says `deleting`, its lock held when gc comes to it) counts as gone: gc removes only what is
 /// still over the budget. Before, gc counted it as staying and removed the

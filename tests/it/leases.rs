@@ -831,6 +831,7 @@ fn a_command_that_closes_its_lease_stays_the_recorded_holder_after_stowage_dies(
     // (closefrom, a daemon's hygiene): stowage's lease then lives only in
     // stowage itself.
     let (mut bg, stowage) = start_closing_its_lease(&env, "--write");
+    let command = command_of(stowage);
     // SIGKILL stowage only: the command keeps the image lock, not the lease.
     bg.signal(libc::SIGKILL);
     let _ = bg.child.as_mut().unwrap().wait();
@@ -839,10 +840,11 @@ fn a_command_that_closes_its_lease_stays_the_recorded_holder_after_stowage_dies(
     let holders = entry["holders"].as_array().unwrap();
     assert_eq!(holders.len(), 1, "{entry:#}");
     assert_eq!(holders[0]["stowage"], true, "not an outsider: {entry:#}");
-    // Its dead stowage's pid no longer reaches it (and may be another's).
+    // Named by the command's pid, which holds it: its dead stowage's no longer reaches it (and
+    // may be another's).
     assert_eq!(
-        holders[0]["pid"],
-        Value::Null,
+        (&holders[0]["pid"], &holders[0]["kept"]),
+        (&Value::from(command), &Value::from(true)),
         "{entry:#} (stowage was {stowage})"
     );
     assert!(
@@ -941,8 +943,9 @@ fn a_reader_is_named_by_its_lease() {
             .any(|l| l.starts_with("hold=shared images/base.lock ") && l.contains(" sh -c "))),
         "the lease lists the hold: {leases:?}"
     );
-    // By stowage's pid while it lives; by none once it died (no signal
-    // reaches the command through it, and the pid may be another's).
+    // By stowage's pid while it lives; once it died, by the command's, which
+    // holds the lock (no signal reaches the command through stowage's pid,
+    // which may be another's), where the lock table and /proc tell.
     let named_once = |entry: &Value, how: &str, pid: Value| {
         let holders = entry["holders"].as_array().unwrap();
         assert_eq!(holders.len(), 1, "{how}: {entry:#}");
@@ -972,13 +975,14 @@ fn a_reader_is_named_by_its_lease() {
     named_once(&nfs(&[]), "no lock table", alive.clone());
     named_once(&nfs(&["base"]), "no lock table, by name", alive);
     // stowage dies; its command keeps the lock and the lease.
+    let command = command_of(stowage);
     bg.signal(libc::SIGKILL);
     let _ = bg.child.as_mut().unwrap().wait();
     assert!(!flock_free(&env.lock_file("base")), "the command holds it");
     named_once(
         &env.lock_entry("base").unwrap(),
         "after stowage died",
-        Value::Null,
+        Value::from(command),
     );
     named_once(
         &nfs(&["base"]),
@@ -1034,6 +1038,7 @@ fn a_reader_whose_command_closes_its_lease_stays_named_after_stowage_dies() {
     let env = Env::new();
     env.make_image("app");
     let (mut bg, stowage) = start_closing_its_lease(&env, "--read");
+    let command = command_of(stowage);
     bg.signal(libc::SIGKILL);
     let _ = bg.child.as_mut().unwrap().wait();
     assert!(!flock_free(&env.lock_file("app")), "the command holds it");
@@ -1047,9 +1052,8 @@ fn a_reader_whose_command_closes_its_lease_stays_named_after_stowage_dies() {
             "look {look}: not an outsider: {entry:#}"
         );
         assert_eq!(
-            holders[0]["pid"],
-            Value::Null,
-            "look {look}: stowage ({stowage}) is gone: {entry:#}"
+            holders[0]["pid"], command,
+            "look {look}: stowage ({stowage}) is gone, its command holds it: {entry:#}"
         );
         assert!(
             holders[0]["command"]
@@ -1109,6 +1113,16 @@ fn a_dropped_library_session_leaves_no_hold_line() {
     drop(session);
     assert_eq!(hold_lines(), 0, "the dropped session is still listed");
     assert!(flock_free(&env.lock_file("base")));
+}
+
+/// The pid of the command local stowage process `stowage` runs (its one child).
+fn command_of(stowage: u32) -> u64 {
+    let children = fs::read_to_string(format!("/proc/{stowage}/task/{stowage}/children"));
+    let children = children.unwrap_or_default();
+    let first = children.split_whitespace().next();
+    first
+        .and_then(|p| p.parse().ok())
+        .expect("stowage runs its command")
 }
 
 /// Starts `stowage exec MODE app -- bash -c …` whose command closes every
@@ -1664,7 +1678,13 @@ kill -9 $f $(cat $T/cmd) 2>/dev/null || true
     );
     let a = only_holder(&text, "a");
     assert_eq!(a["stowage"], true, "{a:#}");
-    assert_eq!(a["pid"], Value::Null, "{a:#}");
+    // Named by its command, which holds the lock, never by its dead stowage's pid.
+    let command: u64 = fs::read_to_string(env.scratch.join("cmd"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(a["pid"], command, "{a:#}");
 }
 
 /// Shell functions for tests in the first pid namespace: `give PID CMD…`

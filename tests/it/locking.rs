@@ -944,6 +944,80 @@ fn nested_slot_of_a_full_class_works_under_the_enclosing_slot() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
+/// An exec SIGKILLed while its command runs: the command keeps the locks
+/// and the lease it inherited, and runs a nested call through a wrapper
+/// that closes every descriptor but 0–2 (its environment kept, or cleared
+/// of `STOWAGE_EXEC_LEASES`). The call knows its parent holds the lock: a
+/// write of the image it reads fails at once, a slot of the full class is worked
+/// under, as with the exec alive. Before, each waited for its own parent
+/// (here until its `--wait 30` ran out).
+#[test]
+fn a_call_nested_in_the_command_of_a_killed_exec_knows_its_enclosing_exec() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "one", "1"]);
+    let cases = [
+        (
+            ["--read", "base"],
+            "exec --write base --wait 30 -- true",
+            "75",
+        ),
+        (["--slot", "one"], "exec --slot one --wait 30 -- true", "0"),
+    ];
+    for clear in ["", "unset STOWAGE_EXEC_LEASES; "] {
+        for (outer, inner, want) in cases {
+            let (rc, err) = nested_in_killed_exec(
+                &env,
+                &outer,
+                &format!(
+                    "{clear}exec '{}' --root '{}' {inner}",
+                    bin(),
+                    env.root.display()
+                ),
+            );
+            assert_eq!(rc, want, "{clear}{outer:?} then {inner}: {err}");
+            if want == "75" {
+                assert!(
+                    err.contains("never end"),
+                    "{clear}{outer:?} then {inner}: {err}"
+                );
+            }
+        }
+    }
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// `stowage exec OUTER -- bash -c '…'`, SIGKILLed once its command runs; the command then runs
+/// `nested` (shell words) with every descriptor but 0–2 closed and returns its exit status and
+/// what it said.
+fn nested_in_killed_exec(env: &Env, outer: &[&str], nested: &str) -> (String, String) {
+    let [started, go, rc, err] =
+        ["started", "go", "inner.rc", "inner.err"].map(|n| env.sentinel(n));
+    for f in [&started, &go, &rc, &err] {
+        let _ = fs::remove_file(f);
+    }
+    let script = format!(
+        r#"touch '{started}'; i=0; while [ ! -e '{go}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done
+        ( for fd in /proc/self/fd/*; do n=${{fd##*/}}; [ "$n" -gt 2 ] && eval "exec $n>&-" 2>/dev/null; done; {nested} ) 2>'{err}'
+        echo $? >'{rc}.tmp'; mv '{rc}.tmp' '{rc}'"#,
+        started = started.display(),
+        go = go.display(),
+        err = err.display(),
+        rc = rc.display(),
+    );
+    let mut args: Vec<&str> = vec!["exec"];
+    args.extend_from_slice(outer);
+    args.extend_from_slice(&["--", "bash", "-c", &script]);
+    let mut exec = env.spawn(&args);
+    wait_for_file(&started);
+    exec.signal(libc::SIGKILL);
+    let _ = exec.child.as_mut().unwrap().wait();
+    fs::write(&go, "").unwrap();
+    wait_for_file(&rc);
+    let rc = fs::read_to_string(&rc).unwrap().trim().to_owned();
+    (rc, fs::read_to_string(&err).unwrap_or_default())
+}
+
 /// `stowage exec OUTER -- sh -c '…'` whose command starts `stowage INNER`
 /// detached and with a cleared environment (`env -i setsid -f`): the
 /// nested call has neither the enclosing exec's word in its environment nor

@@ -691,6 +691,8 @@ fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
     let env = Env::new();
     let mut bg = env.hold(&["--write", "app"], "started");
     let stowage_pid = bg.pid();
+    let children = fs::read_to_string(format!("/proc/{stowage_pid}/task/{stowage_pid}/children"));
+    let command: u64 = children.unwrap().trim().parse().unwrap();
     bg.signal(libc::SIGKILL);
     wait_until("stowage is dead", || !bg.is_running());
 
@@ -705,11 +707,11 @@ fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
     assert_eq!(entry["state"], "exclusive", "{entry}");
     let holders = entry["holders"].as_array().unwrap();
     assert_eq!(holders.len(), 1, "{entry}");
-    // Named by its lease, without the dead stowage's pid (no signal to
-    // it reaches the command, and it may be another process's by now).
+    // Named by its lease, by the pid of the command that holds it, never
+    // the dead stowage's (no signal to it reaches the command, and it may
+    // be another process's by now).
     assert_eq!(
-        holders[0]["pid"],
-        serde_json::Value::Null,
+        holders[0]["pid"], command,
         "the record still stands for the holder (stowage was {stowage_pid}): {entry}"
     );
     assert_eq!(holders[0]["stowage"], true, "{entry}");

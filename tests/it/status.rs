@@ -361,6 +361,62 @@ fn lock_status_never_shows_a_lock_held_two_ways_at_once() {
     assert!(held_twice.is_empty(), "{held_twice:#?}");
 }
 
+/// A waiter granted a lock (an image's, a slot, the store-wide lock) still
+/// lists it as awaited in its lease until it rewrites the lease: paused
+/// there, lock-status lists it once, as the holder, never also as a waiter;
+/// `--why` does not say it waits for what it holds. Before, it was listed
+/// both ways (2–8 % of looks at a queue of writers).
+#[test]
+fn a_waiter_granted_the_lock_is_listed_once_as_its_holder() {
+    let env = Env::new();
+    env.make_image("x");
+    env.ok(["slots", "set", "pull", "1"]);
+    let cases: [(&[&str], &str, &str); 3] = [
+        (&["--write", "x"], "image", "x"),
+        (&["--slot", "pull"], "slot", "pull"),
+        (&["--store-wide"], "global", "store"),
+    ];
+    for (locks, kind, name) in cases {
+        let holder = env.hold(locks, "held");
+        let pause = env.sentinel("paused.lock-granted");
+        let mut args = vec!["exec"];
+        args.extend(locks);
+        args.extend(["--", "true"]);
+        let mut c = env.cmd(args);
+        c.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("lock-granted:{}", pause.display()),
+        );
+        let waiter = Bg::from_command(c);
+        let pid = waiter.pid();
+        env.wait_for_waiting_pid(pid, name);
+        env.release("release");
+        assert!(holder.finish().status.success());
+        wait_for_file(&pause);
+        let st = env.status_json(Vec::<&str>::new());
+        let why = env.ok(["lock-status", "--why", &pid.to_string()]);
+        fs::remove_file(&pause).unwrap();
+        assert!(waiter.finish().status.success());
+        fs::remove_file(env.sentinel("held")).unwrap();
+        fs::remove_file(env.sentinel("release")).unwrap();
+        let lock = (st["locks"].as_array().unwrap().iter())
+            .find(|l| l["kind"] == kind && l["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} lock {name}: {st}"));
+        let listed = |what: &str| {
+            let parties = lock[what].as_array().unwrap();
+            parties.iter().filter(|p| p["pid"] == pid).count()
+        };
+        assert_eq!((listed("holders"), listed("waiters")), (1, 0), "{lock}");
+        // Named by the line that awaited the lock: for the command it runs.
+        assert_eq!(lock["holders"][0]["command"], "true", "{lock}");
+        let said = stdout(&why);
+        assert!(
+            said.starts_with(&format!("pid {pid} waits for no lock")),
+            "{said}"
+        );
+    }
+}
+
 // --- printed records --------------------------------------------------------
 
 #[test]
@@ -1201,6 +1257,57 @@ fn every_child_that_kept_a_lock_is_named_beside_a_live_reader() {
     assert!(kids.iter().all(|k| kept.contains(k)), "{entry}");
     assert!(holders.iter().any(|h| h["stowage"] == true), "{entry}");
     assert!(holders.iter().all(|h| !h["pid"].is_null()), "{entry}");
+}
+
+/// An exec SIGKILLed while its command runs: the command keeps the lock it
+/// inherited, with the lease (alive: the command holds it) or having
+/// closed the lease (dead). lock-status and a busy reader name the command
+/// by its pid, as kept, for the command and time the lease gives. Before,
+/// its pid was null ("held (write) by a process on HOST"), though the
+/// table and /proc showed it.
+#[test]
+fn a_lock_kept_by_the_command_of_a_killed_exec_names_that_command() {
+    // The command closes the lease it inherited, keeping the lock.
+    let close_lease = r#"for f in /proc/$$/fd/*; do case $(readlink "$f") in *.lease) eval "exec ${f##*/}>&-";; esac; done; "#;
+    for prefix in ["", close_lease] {
+        let env = Env::new();
+        env.make_image("k");
+        let started = env.sentinel("started");
+        // One process holds the lock (a loop's children would hold it too), ended by the test.
+        let script = format!("{prefix}echo $$ > '{}'; exec sleep 60", started.display());
+        let mut exec = env.spawn(["exec", "--write", "k", "--", "sh", "-c", &script]);
+        wait_until("the command runs", || {
+            fs::read_to_string(&started).is_ok_and(|t| t.ends_with('\n'))
+        });
+        let command: u64 = fs::read_to_string(&started)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        exec.signal(libc::SIGKILL);
+        let _ = exec.child.as_mut().unwrap().wait();
+        let entry = env.lock_entry("k").unwrap();
+        let out = env.run(["exec", "--read", "k", "--no-wait", "--", "true"]);
+        // SAFETY: the pid of our child's command, which we end.
+        unsafe { libc::kill(command as i32, libc::SIGKILL) };
+        if !table_names_holders(&env) {
+            eprintln!("skipping: this filesystem's lock table names no holder");
+            return;
+        }
+        let holders = entry["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "{entry}");
+        assert_eq!(holders[0]["pid"], command, "{entry}");
+        assert_eq!(holders[0]["kept"], true, "{entry}");
+        assert!(holders[0]["since"].is_string(), "{entry}");
+        assert_eq!(code(&out), Some(75), "{}", show(&out));
+        let said = format!("held (write) by pid {command} ");
+        assert!(stderr(&out).contains(&said), "{}", show(&out));
+        assert!(
+            stderr(&out).contains("after the exec that took it ended"),
+            "{}",
+            show(&out)
+        );
+    }
 }
 
 /// Whether the root's filesystem is one whose lock table names every holder's pid (local).
