@@ -724,7 +724,7 @@ impl<'c> Look<'c> {
             .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a) || others.contains(&a)))
             .filter(running);
         let party = |pid| Party {
-            kept: true,
+            kept: inside_an_exec(pid),
             ..Party::outsider(
                 self.ctx,
                 &Entry {
@@ -905,6 +905,16 @@ pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
 }
 
 /// The processes above local process `pid`: its parent, its parent's, … (to pid 1, at most 64).
+/// Whether process `pid` was started inside a stowage exec (its environment names the exec's
+/// lease): a lock it holds that no lease lists was kept from that exec, not taken outside stowage
+/// (a script's `flock 9`, its descriptor shared by the shell).
+fn inside_an_exec(pid: u32) -> bool {
+    let var = format!("{}=", crate::env::EXEC_LEASES);
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    env.split(|b| *b == 0)
+        .any(|v| v.len() > var.len() && v.starts_with(var.as_bytes()))
+}
+
 fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
     let parent = |&p: &u32| {
         let ppid: u32 = ident::stat_fields(p)?

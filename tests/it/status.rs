@@ -1317,3 +1317,35 @@ fn table_names_holders(env: &Env) -> bool {
         .iter()
         .any(|f| fs == *f)
 }
+
+/// A slot taken as docs/slots.md shows a script taking one (`exec 9<>FILE; flock 9`, the flock(1)
+/// child gone, the shell's descriptor holding it) is held outside stowage, once: it was said kept
+/// after an exec that took it ended, once per process sharing the descriptor.
+#[test]
+fn a_slot_a_script_took_by_flock_on_a_descriptor_is_held_outside_stowage() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let file = env.root.join("locks/slots/pull/0.lock");
+    let started = env.sentinel("started");
+    let script = format!(
+        "exec 9<>'{}'; flock 9; touch '{}'; sleep 30",
+        file.display(),
+        started.display()
+    );
+    let mut c = Command::new("bash");
+    c.args(["-c", &script]);
+    let script = Bg::from_command(c);
+    wait_for_file(&started);
+    let slot = env.slot_entry("pull").unwrap();
+    let holders = slot["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{slot}");
+    assert_ne!(holders[0]["kept"], true, "{slot}");
+    assert_eq!(holders[0]["stowage"], false, "{slot}");
+    let out = env.run(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert!(
+        stderr(&out).contains("not started by stowage"),
+        "{}",
+        show(&out)
+    );
+    script.kill_all();
+}
