@@ -416,8 +416,13 @@ fn starts_that_fail_leave_no_lock_file_or_gate() {
     args.extend(hold);
     let holder = env.spawn(&args);
     wait_for_file(&env.sentinel("n"));
-    let w = env.spawn(["exec", "--write", "n", "--", "/nonexistent/cmd"]);
+    // Runnable when asked for, gone by the time the lock is had.
+    let cmd = env.scratch.join("builder");
+    fs::write(&cmd, "#!/bin/sh\n").unwrap();
+    fs::set_permissions(&cmd, fs::Permissions::from_mode(0o755)).unwrap();
+    let w = env.spawn(["exec", "--write", "n", "--", cmd.to_str().unwrap()]);
     env.wait_for_waiter("n");
+    fs::remove_file(&cmd).unwrap();
     env.release("release-n");
     assert_eq!(holder.finish().status.code(), Some(0));
     assert_eq!(w.finish().status.code(), Some(1));
@@ -847,8 +852,13 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
     let env = Env::new();
     env.make_image("base");
     let first = env.hold(&["--write", "base"], "started");
-    let waiter = env.spawn(["exec", "--write", "base", "--", "/nonexistent/cmd"]);
+    // Runnable when asked for, gone by the time the lock is had.
+    let cmd = env.scratch.join("builder");
+    fs::write(&cmd, "#!/bin/sh\n").unwrap();
+    fs::set_permissions(&cmd, fs::Permissions::from_mode(0o755)).unwrap();
+    let waiter = env.spawn(["exec", "--write", "base", "--", cmd.to_str().unwrap()]);
     env.wait_for_waiter("base");
+    fs::remove_file(&cmd).unwrap();
     env.release("release");
     assert_eq!(code(&first.finish()), Some(0));
     let out = waiter.finish();
@@ -865,15 +875,26 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
 /// A command that cannot start is said in the user's words, one line: a
 /// directory given as the command is "a directory" (it was "Permission
 /// denied"), and no "(os error N)" trails the cause. So is the written
-/// image's own new directory: it is looked at before the image is undone.
+/// image's own directory; a new image's is not there when the command is
+/// looked for, before anything is made.
 #[test]
 fn a_command_that_cannot_start_is_said_plainly() {
     let env = Env::new();
+    env.make_image("old");
     let dir = env.tmp.path().to_str().unwrap().to_owned();
     let own = env.root.join("img/app").to_str().unwrap().to_owned();
+    let out = env.run([
+        "exec",
+        "--write",
+        "old",
+        "--",
+        env.root.join("img/old").to_str().unwrap(),
+    ]);
+    assert!(stderr(&out).contains("it is a directory"), "{}", show(&out));
+    assert_eq!(env.state("old").as_deref(), Some("ready"));
     for (cmd, says) in [
         (dir.as_str(), "it is a directory"),
-        (own.as_str(), "it is a directory"),
+        (own.as_str(), "No such file or directory"),
         ("./no-such-builder", "No such file or directory"),
     ] {
         let out = env.run(["exec", "--write", "app", "--", cmd]);
@@ -1013,4 +1034,61 @@ fn a_read_of_an_image_not_ready_says_why() {
         assert_eq!(code(&out), Some(66), "{}", show(&out));
         assert!(stderr(&out).contains(why), "{name}: {}", show(&out));
     }
+}
+
+/// A command that cannot be started (a typo, a directory, a file without
+/// execute permission) is found so before the session begins: with
+/// `--from` no copy of the base is left behind as an incomplete image, as
+/// none is without it.
+#[test]
+fn a_command_that_cannot_start_leaves_no_copy_of_the_base() {
+    let env = Env::new();
+    env.make_image("hello");
+    let plain = env.scratch.join("notes.txt");
+    fs::write(&plain, "not a program\n").unwrap();
+    let dir = env.scratch.to_str().unwrap().to_owned();
+    for (cmd, says) in [
+        ("./typo-script", "No such file or directory"),
+        ("no-such-builder-in-path", "No such file or directory"),
+        (dir.as_str(), "it is a directory"),
+        (plain.to_str().unwrap(), "Permission denied"),
+    ] {
+        let out = env.run(["exec", "--write", "ff1", "--from", "hello", "--", cmd]);
+        assert_eq!(code(&out), Some(1), "{cmd}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("cannot run '{cmd}': {says}")),
+            "{}",
+            show(&out)
+        );
+        assert!(env.image("ff1").is_none(), "{cmd}: {:?}", env.image("ff1"));
+        assert!(!env.root.join("img/ff1").exists(), "{cmd}");
+    }
+    assert_eq!(env.state("hello").as_deref(), Some("ready"));
+}
+
+/// A request that cannot succeed on a root that does not exist yet creates
+/// nothing there (a base that cannot be there, a command that cannot
+/// start); a valid first write still makes the store.
+#[test]
+fn an_exec_that_cannot_succeed_on_a_new_root_creates_nothing() {
+    let env = Env::new();
+    for (args, exit) in [
+        (
+            &["exec", "--write", "a", "--from", "nosuch", "--", "true"][..],
+            66,
+        ),
+        (
+            &["exec", "--write", "a", "--read", "nosuch", "--", "true"],
+            66,
+        ),
+        (&["exec", "--write", "a", "--", "./typo"], 1),
+        (&["exec", "--store-wide", "--", "./typo"], 1),
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(exit), "{args:?}: {}", show(&out));
+        assert!(!env.root.exists(), "{args:?} made {:?}", tree(&env.root));
+    }
+    env.ok(["exec", "--write", "a", "--", "true"]);
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
