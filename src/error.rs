@@ -70,7 +70,7 @@ pub enum Error {
     NoSuchProcess(u32),
 
     /// The root does not exist, and the command only reads (exit 66).
-    #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), .0.display())]
+    #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), crate::ident::shell_path(.0))]
     NoRoot(PathBuf),
 
     /// The root is a directory that holds no store (exit 66): a command that reads creates
@@ -265,8 +265,8 @@ fn damage(holds: &Option<String>) -> String {
 fn not_a_store_detail(dir: &std::path::Path, held: Option<&str>) -> String {
     match held {
         Some("locks") => ": its 'locks' is no directory of a store (mistyped? move it away, or name another root)".into(),
-        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? 'stowage --root {} init' makes it one)", dir.display()),
-        None => format!(" (mistyped? 'stowage --root {} init' makes it one)", dir.display()),
+        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? 'stowage --root {} init' makes it one)", crate::ident::shell_path(dir)),
+        None => format!(" (mistyped? 'stowage --root {} init' makes it one)", crate::ident::shell_path(dir)),
     }
 }
 
