@@ -281,8 +281,11 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             return exit_with(print(&e.render().to_string()).map(|()| 0));
         }
-        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            let _ = e.print();
+        // `stowage` alone (or with flags only): one line as every usage error, not the whole help.
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
+            let at =
+                subcommand(args).map_or_else(|| "stowage".into(), |(n, _)| format!("stowage {n}"));
+            complain!("stowage: missing subcommand; see '{at} --help'");
         }
         _ => complain!("stowage: {}", usage_line(&e, args)),
     }

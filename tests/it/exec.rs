@@ -433,6 +433,37 @@ fn starts_that_fail_leave_no_lock_file_or_gate() {
 
 // --- the command line -------------------------------------------------------
 
+/// `stowage` without a subcommand is a usage error like any other: one
+/// line on stderr, exit 64 (it printed the whole help there); `--help`
+/// still prints the help on stdout, exit 0.
+#[test]
+fn a_missing_subcommand_is_one_usage_line() {
+    let env = Env::new();
+    for args in [&[][..], &["-q"], &["-v"]] {
+        let mut c = Command::new(bin());
+        c.args(args).env_remove("STOWAGE_ROOT");
+        let out = output(c);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert!(
+            err.contains("missing subcommand; see 'stowage --help'"),
+            "{}",
+            show(&out)
+        );
+        assert!(out.stdout.is_empty(), "{}", show(&out));
+    }
+    let out = env.ok(["--help"]);
+    assert!(stdout(&out).lines().count() > 10, "{}", show(&out));
+    assert!(stderr(&out).is_empty(), "{}", show(&out));
+    assert!(!env.root.exists());
+}
+
 #[test]
 fn bad_arguments_exit_64() {
     let env = Env::new();
