@@ -508,7 +508,7 @@ impl Session {
         if let Some(s) = &self.slot
             && let Some(why) = s.lost(&self.root)
         {
-            store.ctx().say(&s.lost_warning(&why));
+            store.ctx().warn(&s.lost_warning(&why));
         }
         self.release();
         if !lost.is_empty() {

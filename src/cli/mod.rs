@@ -56,7 +56,8 @@ struct Cli {
     /// Say more about what is happening
     #[arg(short, long, global = true)]
     verbose: bool,
-    /// Say nothing but errors (no waiting messages)
+    /// No progress or waiting messages on stderr; reports on stdout, errors, and the line saying a
+    /// command was skipped (--conflict-exit-code) still print
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     quiet: bool,
     #[command(subcommand)]

@@ -1123,3 +1123,46 @@ fn an_exec_that_cannot_succeed_on_a_new_root_creates_nothing() {
     env.ok(["exec", "--write", "a", "--", "true"]);
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
+
+/// `-q` silences progress and waiting chatter on stderr, never a report on
+/// stdout nor the line saying a command was skipped: with
+/// `--conflict-exit-code 0` a busy lock skips the command, and stderr alone
+/// says so, `-q` or not; `gc` and `doctor` print their reports.
+#[test]
+fn quiet_never_hides_a_skip_or_a_report() {
+    let env = Env::new();
+    env.make_image("hello");
+    env.run(["exec", "--write", "failed", "--", "false"]);
+    let holder = env.hold(&["--write", "hello"], "held");
+    let out = env.run([
+        "-q",
+        "exec",
+        "--read",
+        "hello",
+        "--no-wait",
+        "--conflict-exit-code",
+        "0",
+        "--",
+        "echo",
+        "RAN",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(!stdout(&out).contains("RAN"), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("'hello'") && err.contains("busy"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{}", show(&out));
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    let out = env.ok(["-q", "gc", "--dry-run"]);
+    assert!(
+        stdout(&out).contains("would remove 'failed'"),
+        "{}",
+        show(&out)
+    );
+    let out = env.run(["-q", "doctor"]);
+    assert!(stdout(&out).contains("incomplete"), "{}", show(&out));
+}
