@@ -74,6 +74,19 @@ pub enum Found {
     Legacy(i64),
     /// To be set aside and made anew (damaged, foreign), for the reason given.
     Replaced(String),
+    /// At a schema version above ours: a later release's store, refused whole, never set aside
+    /// (that release's catalog is no damage, and a rebuild at ours would downgrade the store).
+    Newer(i64),
+}
+
+/// The refusal of a store whose catalog is at schema version `v`, above ours.
+pub fn newer(root: &Root, v: i64) -> anyhow::Error {
+    let what = format!("catalog stowage.db schema version {v}, this stowage's {SCHEMA}");
+    crate::Error::Newer {
+        root: root.dir().to_path_buf(),
+        what,
+    }
+    .into()
 }
 
 /// The catalog, open under the global lock.
@@ -539,6 +552,7 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
         Ok(Found::New) => "empty".to_owned(),
         Ok(Found::Current) => "one of this release, not the older release's".to_owned(),
         Ok(Found::Replaced(why)) => why,
+        Ok(Found::Newer(v)) => return Err(newer(root, v)),
         Err(e) if is_damage(&e, &path) => format!("damaged ({e:#})"),
         Err(e) if is_busy(&e) => {
             let waited = match BUSY_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
@@ -638,9 +652,7 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
         }
-        v if v > SCHEMA => Found::Replaced(format!(
-            "schema version {v}, newer than this stowage knows ({SCHEMA})"
-        )),
+        v if v > SCHEMA => Found::Newer(v),
         _ => {
             let listed = match tables.is_empty() {
                 true => "none".into(),

@@ -57,6 +57,49 @@ pub fn start(
     }
 }
 
+/// Whether `program` can be started, found as the start finds it: a path (with a `/`) to an
+/// executable regular file, or a name that is one in a directory of `PATH`. Asked before anything
+/// is locked, copied or made, so a command that cannot run leaves nothing behind; the start says
+/// so again if it changed meanwhile.
+pub fn check_runnable(program: &std::ffi::OsStr) -> anyhow::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let what = program.to_string_lossy();
+    let fail = |errno| not_run(std::io::Error::from_raw_os_error(errno).into(), &what);
+    if program.as_bytes().contains(&b'/') {
+        return runnable(std::path::Path::new(program)).map_err(fail);
+    }
+    // posix_spawnp's search: our PATH, else the C library's default; an empty entry is ".".
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+    let mut denied = false;
+    for dir in path.as_bytes().split(|&b| b == b':') {
+        let dir = std::path::Path::new(std::ffi::OsStr::from_bytes(dir));
+        let dir = if dir.as_os_str().is_empty() {
+            std::path::Path::new(".")
+        } else {
+            dir
+        };
+        match runnable(&dir.join(program)) {
+            Ok(()) => return Ok(()),
+            Err(libc::EACCES) => denied = true,
+            Err(_) => {}
+        }
+    }
+    Err(fail(if denied { libc::EACCES } else { libc::ENOENT }))
+}
+
+/// Whether `file` is a regular file we may execute: `Err(errno)` as exec would fail on it.
+fn runnable(file: &std::path::Path) -> Result<(), i32> {
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::ENOENT);
+    let meta = std::fs::metadata(file).map_err(errno)?;
+    if !meta.is_file() {
+        return Err(libc::EACCES);
+    }
+    let c = error::cstr(file.as_os_str()).map_err(errno)?;
+    // SAFETY: a valid C string; only asks (the effective ids, as exec checks them).
+    let r = unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), libc::X_OK, libc::AT_EACCESS) };
+    error::cvt(r).map(drop).map_err(errno)
+}
+
 /// Why command `what` did not start; a path to a directory says so ("Permission denied" does not).
 fn not_run(e: anyhow::Error, what: &str) -> anyhow::Error {
     if what.contains('/') && std::path::Path::new(what).is_dir() {

@@ -26,6 +26,8 @@ use crate::dir::Dir;
 use crate::image_record::ImagesDir;
 
 const FORMAT: &str = "stowage-store 1\n";
+/// The first line's words before its format number.
+const FORMAT_WORD: &str = "stowage-store ";
 pub const FILE: &str = "store.conf";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,8 +124,14 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
         Ok(()) => e,
     };
     let data = data.map_err(|e| not_a_file(Unusable::because(&path, e)))?;
+    let text = String::from_utf8_lossy(&data);
+    if let Some(format) = crate::error::newer_format(&text, FORMAT_WORD, 1) {
+        let root = root_dir.to_path_buf();
+        let what = format!("{FILE} format {format}");
+        return Err(crate::Error::Newer { root, what }.into());
+    }
     let why = format!("{} is damaged", path.display());
-    let config = Config::decode(&String::from_utf8_lossy(&data));
+    let config = Config::decode(&text);
     Ok(Some(
         config.ok_or_else(|| not_a_file(Unusable { why }.into()))?,
     ))

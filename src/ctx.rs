@@ -40,11 +40,17 @@ impl Ctx {
     /// Prints a progress or waiting message unless quiet.
     pub fn say(&self, msg: &str) {
         if !self.quiet {
-            // Never eprintln!: it panics when stderr is gone, and a panic mid-exec would release
-            // locks the command relies on. One line each: a name may hold a newline or an escape.
-            let msg = crate::ident::printable(msg);
-            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
+            self.warn(msg);
         }
+    }
+
+    /// Prints, even with `-q`, a line saying the command was skipped or what it did failed: `-q`
+    /// silences progress and waiting, never what a caller must learn of its request's fate.
+    pub fn warn(&self, msg: &str) {
+        // Never eprintln!: it panics when stderr is gone, and a panic mid-exec would release locks
+        // the command relies on. One line each: a name may hold a newline or an escape.
+        let msg = crate::ident::printable(msg);
+        let _ = writeln!(std::io::stderr(), "stowage: {msg}");
     }
 
     /// Prints a message only with --verbose.

@@ -70,7 +70,7 @@ pub enum Error {
     NoSuchProcess(u32),
 
     /// The root does not exist, and the command only reads (exit 66).
-    #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), .0.display())]
+    #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), crate::ident::shell_path(.0))]
     NoRoot(PathBuf),
 
     /// The root is a directory that holds no store (exit 66): a command that reads creates
@@ -90,6 +90,11 @@ pub enum Error {
         /// The image whose valid record the file holds instead (copied over it), if any.
         holds: Option<String>,
     },
+
+    /// A file of the store is in a format a later release writes (exit 1): read as damage, a repair
+    /// would set it aside or write it back in this release's format, downgrading the store.
+    #[error("store {} was made by a newer stowage ({what}); upgrade stowage", root.display())]
+    Newer { root: PathBuf, what: String },
 
     /// flock(2) does not work on this filesystem (exit 69).
     #[error("cannot lock {what} ({}): {cause}{}", path.display(), lock_advice(cause))]
@@ -166,7 +171,7 @@ fn no_such_images(names: &[String]) -> String {
 /// The exit code for any error: the first typed [`Error`] in the chain decides, else a failure.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
     match typed(err) {
-        None => code::FAILURE,
+        None | Some(Error::Newer { .. }) => code::FAILURE,
         Some(Error::Usage(_) | Error::InvalidName(_)) => code::USAGE,
         Some(
             Error::NoSuchImage(_)
@@ -181,6 +186,18 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         Some(Error::Interrupted(sig) | Error::Stopped(sig)) => 128u8.saturating_add(*sig as u8),
         Some(Error::ReaderGone) => 128 + libc::SIGPIPE as u8,
     }
+}
+
+/// The format number above `ours` that `text`'s first line (`WORD N`) names, if it names one: a
+/// later release's file, to be refused whole, never read as damage (and never rewritten).
+pub fn newer_format(text: &str, word: &str, ours: u64) -> Option<u64> {
+    let line = text.split('\n').next()?.strip_prefix(word)?;
+    line.parse::<u64>().ok().filter(|&n| n > ours)
+}
+
+/// Whether `err` is a later release's store refused ([`Error::Newer`]): never gone on from.
+pub fn is_newer(err: &anyhow::Error) -> bool {
+    matches!(typed(err), Some(Error::Newer { .. }))
 }
 
 /// The typed error in the chain, if any, one given as a context included.
@@ -257,8 +274,8 @@ fn damage(holds: &Option<String>) -> String {
 fn not_a_store_detail(dir: &std::path::Path, held: Option<&str>) -> String {
     match held {
         Some("locks") => ": its 'locks' is no directory of a store (mistyped? move it away, or name another root)".into(),
-        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? 'stowage --root {} init' makes it one)", dir.display()),
-        None => format!(" (mistyped? 'stowage --root {} init' makes it one)", dir.display()),
+        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? 'stowage --root {} init' makes it one)", crate::ident::shell_path(dir)),
+        None => format!(" (mistyped? 'stowage --root {} init' makes it one)", crate::ident::shell_path(dir)),
     }
 }
 

@@ -201,7 +201,7 @@ fn record_outcome(
             dir.display(),
             crate::disk_usage::human(free),
         );
-        store.ctx().say(&format!(
+        store.ctx().warn(&format!(
             "{which} incomplete: the command failed with the filesystem of {at} full ({free} free): free space with 'stowage rm IMAGE' or 'stowage gc'"
         ));
     }
@@ -223,7 +223,7 @@ fn record_outcome(
 /// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (said first).
 fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
     if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code) {
-        store.ctx().say(&format!("{e:#}"));
+        store.ctx().warn(&format!("{e:#}"));
         return Ok(code);
     }
     Err(e)

@@ -267,6 +267,9 @@ pub struct Seen {
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
     pub gone: bool,
+    /// The format of a later release's record in a slot (`stowage-record N`, N above ours): that
+    /// release's image, refused whole, never rewritten in this release's format.
+    pub newer: Option<u64>,
     /// The image a record set aside by [`Seen::of`] names: another image's.
     pub foreign: Option<String>,
     /// The highest sequence number of any slot that decodes, ours or not, torn beside or not: the
@@ -322,6 +325,10 @@ impl Seen {
         }
         let decoded = |i| slot(bytes, i).and_then(Record::decode);
         let (a, b) = (decoded(0), decoded(1));
+        let newer = |i| {
+            let text = String::from_utf8_lossy(slot(bytes, i)?);
+            crate::error::newer_format(&text, "stowage-record ", 1)
+        };
         let noise =
             |i, valid: bool| !valid && slot(bytes, i).is_some_and(|s| s.iter().any(|&b| b != 0));
         let torn = noise(0, a.is_some()) || noise(1, b.is_some());
@@ -348,6 +355,7 @@ impl Seen {
                 .and_then(|s| Millis::from_str_radix(s, 16).ok())
                 .filter(|&ms| ms > 0),
             top_seq,
+            newer: newer(0).max(newer(1)),
             ..Seen::default()
         }
     }

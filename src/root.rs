@@ -141,6 +141,18 @@ impl Root {
         (names.iter()).any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
     }
 
+    /// A store a later release made is refused whole ([`crate::Error::Newer`], from its
+    /// configuration); any other trouble with that file is left to the command that uses it.
+    pub fn refuse_newer(&self) -> Result<()> {
+        let Ok(dir) = self.opened() else {
+            return Ok(());
+        };
+        match crate::config::read(&self.dir, dir) {
+            Err(e) if crate::error::is_newer(&e) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     /// For a command that only reads: a store is here, else why not (66), nothing created. A lookup
     /// refused in the root (a mode, a client reconnecting) says nothing of whether a store is
     /// there, and is said as itself, never as "holds no store".

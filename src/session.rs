@@ -530,7 +530,7 @@ impl Session {
         if let Some(s) = &self.slot
             && let Some(why) = s.lost(&self.root)
         {
-            store.ctx().say(&s.lost_warning(&why));
+            store.ctx().warn(&s.lost_warning(&why));
         }
         self.release();
         if !lost.is_empty() {
@@ -647,6 +647,9 @@ fn take_images(
             (i.held.seen.legacy, i.held.seen.damaged) = (false, true);
         }
     }
+    if let Some(e) = newer_record(root, &images) {
+        return give_up_on(root, images, &[], e.into());
+    }
     let gone = match settle_store_wide(root, &mut images) {
         Ok((Probe::Held, _)) => {
             give_up(root, images, &[]);
@@ -741,6 +744,20 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
         _ => {}
     }
     Ok((p, gone))
+}
+
+/// A later release's record among the images: that release's store, neither read nor written here.
+fn newer_record(root: &Root, images: &[Image]) -> Option<Error> {
+    images.iter().find_map(|i| {
+        let what = format!(
+            "image '{}''s record, format {}",
+            i.held.name, i.held.seen.newer?
+        );
+        Some(Error::Newer {
+            root: root.dir().to_path_buf(),
+            what,
+        })
+    })
 }
 
 /// Reads need `ready` (a write in flight whose lock we share was a dead writer's: incomplete).

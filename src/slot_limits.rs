@@ -93,6 +93,9 @@ pub enum Class {
     None,
     /// Bytes that are no record: the class cannot be known.
     Damaged,
+    /// A later release's record (`stowage-class N`, N above ours): that release's class, neither
+    /// used nor rewritten here.
+    Newer(u64),
 }
 
 impl Class {
@@ -121,6 +124,13 @@ fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
         return (Class::None, None);
     }
     let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
+    let newer = |i: usize| {
+        let text = String::from_utf8_lossy(slot(i)?);
+        crate::error::newer_format(&text, "stowage-class ", 1)
+    };
+    if let Some(n) = newer(0).max(newer(1)) {
+        return (Class::Newer(n), None);
+    }
     let read = |i: usize| slot(i).map_or(Slot::Empty, |b| decode_slot(b, class));
     match (read(0), read(1)) {
         (Slot::Valid(sa, _), Slot::Valid(sb, lb)) if sb > sa => (Class::Limits(lb), Some((1, sb))),
@@ -187,7 +197,12 @@ pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
 pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::Result<()> {
     let mut buf = vec![0u8; AREA];
     let n = file.read_at(&mut buf, 0)?;
-    let found = decode(&buf[..n], class).1;
+    let (now, found) = decode(&buf[..n], class);
+    // Never written over in this release's format: that would downgrade a later release's class.
+    if let Class::Newer(format) = now {
+        let why = format!("slot class '{class}' has limits of a later format ({format})");
+        return Err(io::Error::new(io::ErrorKind::Unsupported, why));
+    }
     let (newest, seq) = found.unwrap_or((1, 0));
     let other = (1 - newest) as u64 * SLOT as u64;
     match limits {

@@ -133,6 +133,16 @@ fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
     }
 }
 
+/// The refusal of a class whose limits a later release wrote, in format `n`.
+fn newer(root: &Root, class: &str, n: u64) -> anyhow::Error {
+    let what = format!("slot class '{class}''s limits, format {n}");
+    Error::Newer {
+        root: root.dir().to_path_buf(),
+        what,
+    }
+    .into()
+}
+
 /// The configured classes, by their directories, with their records.
 pub fn classes(root: &Root) -> Vec<(String, Class)> {
     let mut out: Vec<(String, Class)> = crate::root::names_in(&root.slot_locks())
@@ -162,6 +172,7 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
             "the limits of slot class '{class}' in {} are damaged; set them again with 'stowage slots set {class} LIMIT'",
             root.slot_class_dir(class).join("0.lock").display()
         ),
+        Class::Newer(n) => return Err(newer(root, class, n)),
         Class::None => {}
     }
     let known = configured(root);
@@ -182,7 +193,10 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
     let zero = dir
         .open_rw(Kind::Normal(0).file_name(), true)
         .map_err(|e| planted_or(&root.slot_class_dir(class).join("0.lock"), class, e))?;
-    let before = slot_limits::read(&zero, class)?.limits();
+    let before = match slot_limits::read(&zero, class)? {
+        Class::Newer(n) => return Err(newer(&root, class, n)),
+        c => c.limits(),
+    };
     let kept = before.filter(|_| limit > 0).map_or(0, |b| b.reserve);
     let mut limits = Limits::set(limit, reserve.unwrap_or(kept), before);
     let write = |limits: &Limits| {

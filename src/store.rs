@@ -176,6 +176,7 @@ impl Store {
                 return Ok(conn);
             }
             Found::Legacy(_) => return Err(NeedsMigration.into()),
+            Found::Newer(v) => return Err(catalog::newer(root, v)),
             Found::New => conn,
             Found::Replaced(why) => {
                 drop(conn);

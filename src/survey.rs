@@ -262,6 +262,7 @@ fn survey_from(
             crate::migrate::run(store, None)?;
             return survey_from(store, measure, None);
         }
+        Err(e) if crate::error::is_newer(&e) => return Err(e),
         Err(e) => {
             // Derived: the records say all that matters, so the listing goes on, saying why sizes
             // and last uses may be missing (a full filesystem only with -v: it is said elsewhere).

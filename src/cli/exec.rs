@@ -72,7 +72,24 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    crate::exec::run(store, &plan(args)?)
+    let plan = plan(args)?;
+    refuse_before_anything_is_made(store.root(), &plan)?;
+    crate::exec::run(store, &plan)
+}
+
+/// What is refused before a lock is taken, a base copied or a new root laid out, so that a
+/// request that cannot succeed creates nothing: a command that cannot be started, and a write that
+/// reads an image (or copies one) where no store is yet (a read alone lays out nothing anyway, and
+/// pays no look for it).
+fn refuse_before_anything_is_made(root: &crate::root::Root, plan: &Plan) -> Result<()> {
+    crate::command::check_runnable(&plan.argv[0])?;
+    let req = &plan.request;
+    match req.reads.first() {
+        Some(name) if !req.writes.is_empty() && !root.holds_store() => {
+            Err(crate::Error::NoSuchImage(name.to_string()).into())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The command line's rules: which images in which roles, the base and its lineage, the deadline.

@@ -42,10 +42,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if args.json {
         return super::print_json(&report).map(|()| code);
     }
-    // -q: nothing but errors, as rm says nothing of what it removed.
-    if !store.ctx().quiet {
-        super::print(&report_text(&report, args.dry_run))?;
-    }
+    // Its report, on stdout, even with -q (which silences stderr's progress only), as doctor's.
+    super::print(&report_text(&report, args.dry_run))?;
     Ok(code)
 }
 

@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use nix::unistd::AccessFlags;
 
 use crate::adopt::{self, Adopt};
 use crate::config::Config;
@@ -237,6 +238,18 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
             _ => "",
         };
         bail!("cannot create images directory {shown}: its parent directory does not exist{hint}");
+    }
+    // Asked before the root is laid out: an init that cannot make it leaves nothing behind.
+    if !dir.is_dir()
+        && let Some(parent) = dir.parent()
+        && let Err(e) = nix::unistd::access(parent, AccessFlags::W_OK | AccessFlags::X_OK)
+    {
+        let me = nix::unistd::geteuid();
+        bail!(
+            "cannot create images directory {shown}: its parent {} does not let you (uid {me}) create in it ({})",
+            parent.display(),
+            e.desc()
+        );
     }
     if root.dir().starts_with(dir) {
         bail!(
@@ -557,7 +570,7 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         }
         // Its parent must exist: a mistyped path should not grow a tree.
         if !dir.is_dir() {
-            let why = || format!("cannot create images directory {shown} (does its parent exist?)");
+            let why = || format!("cannot create images directory {shown}");
             std::fs::create_dir(dir).with_context(why)?;
         }
         make_dir(dir)?;

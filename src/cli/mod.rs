@@ -56,7 +56,8 @@ struct Cli {
     /// Say more about what is happening
     #[arg(short, long, global = true)]
     verbose: bool,
-    /// Say nothing but errors (no waiting messages)
+    /// No progress or waiting messages on stderr; reports on stdout, errors, and the line saying a
+    /// command was skipped (--conflict-exit-code) still print
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     quiet: bool,
     #[command(subcommand)]
@@ -191,6 +192,13 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Slots(a) => matches!(a.action, Some(slots::Action::Set { .. })),
         _ => false,
     };
+    // A later release's store is refused before anything reads or writes it. `exec`, whose calls
+    // the contract counts, reads the configuration only for a new image: of an existing one it
+    // learns a later release's hand from the image's record; doctor reports it.
+    if !matches!(cli.command, Command::Exec(_) | Command::Doctor(_)) {
+        store.root().refuse_newer()?;
+    }
+    let ctx = store.ctx_mut();
     ctx.quiet = cli.quiet;
     ctx.verbose = cli.verbose;
     // What we create in a group's store must be usable by the group; the command gets the umask.
@@ -276,8 +284,11 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             return exit_with(print(&e.render().to_string()).map(|()| 0));
         }
-        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            let _ = e.print();
+        // `stowage` alone (or with flags only): one line as every usage error, not the whole help.
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
+            let at =
+                subcommand(args).map_or_else(|| "stowage".into(), |(n, _)| format!("stowage {n}"));
+            complain!("stowage: missing subcommand; see '{at} --help'");
         }
         _ => complain!("stowage: {}", usage_line(&e, args)),
     }

@@ -43,7 +43,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {
         Ok(ours) => ours,
         Err(whose) => {
-            report.add("config", Problem, format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {shown}' records it"));
+            report.add("config", Problem, format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it", crate::ident::shell_path(&in_records)));
             return Ok(false);
         }
     };

@@ -101,6 +101,10 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
 pub(super) fn class_records(root: &Root, report: &mut Report) {
     use crate::slot_limits::Class::Damaged;
     for (class, found) in crate::slots::classes(root) {
+        if let crate::slot_limits::Class::Newer(n) = found {
+            report.add("slots", Problem, format!("the limits of slot class '{class}' are of a later format ({n}): the store was made by a newer stowage; upgrade stowage"));
+            continue;
+        }
         // Read again only where `classes` found no limits: told from a file that cannot be opened.
         if found != Damaged || !matches!(crate::slots::read_class(root, &class), Ok(Damaged)) {
             continue;

@@ -486,6 +486,8 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
             }
             report.catalog(Repaired, format!("{shown} could not be used ({why}): set aside and made anew from the records"))
         }
+        // Never set aside or rebuilt: a rebuild at our schema would downgrade the store.
+        Found::Newer(v) => report.catalog(Problem, format!("{shown}: schema version {v}, above this stowage's: the store was made by a newer stowage; upgrade stowage")),
         Found::New => empty_catalog(store, repair, report)?,
         Found::Current => intact(store, repair, report)?,
     })
@@ -630,12 +632,26 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
     Ok(report.catalog(Repaired, detail))
 }
 
+/// Records a later release wrote: no damage, never rewritten here; the way out is that release.
+fn newer_records(entries: &[Entry], report: &mut Report) {
+    let newer: Vec<String> = (entries.iter())
+        .filter(|e| e.seen.newer.is_some())
+        .map(|e| e.path.display().to_string())
+        .collect();
+    report.naming("records", Problem, &newer, |files| {
+        format!("the record in {files} was written by a newer stowage (a later format): the store was made by a newer stowage; upgrade stowage")
+    });
+}
+
 /// Every record: damaged, interrupted removals, failed or dead writers, stale store-wide hints.
 fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-listed");
-    let damaged: Vec<&Entry> = entries.iter().filter(|e| e.seen.damaged).collect();
+    newer_records(&entries, report);
+    let damaged: Vec<&Entry> = (entries.iter())
+        .filter(|e| e.seen.damaged && e.seen.newer.is_none())
+        .collect();
     // A record of another image's (copied over) is named: it is where to look for the cause.
     let files: Vec<_> = (damaged.iter())
         .map(|e| match &e.seen.foreign {

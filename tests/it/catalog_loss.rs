@@ -473,10 +473,7 @@ fn a_write_across_a_restored_catalog_and_a_repair_ends_as_it_would_have() {
         assert_eq!(code(&out), Some(0), "{}", show(&out));
     };
     // Never started.
-    let (writer, paused) = env.paused(
-        ["exec", "--write", "X", "--", "/nonexistent/command"],
-        "exec-before-spawn",
-    );
+    let (writer, paused) = env.paused(["exec", "--write", "X", "--", "true"], "exec-before-spawn");
     restore_and_repair();
     writer.signal(libc::SIGTERM);
     let out = writer.finish();

@@ -159,6 +159,23 @@ impl Env {
         (bg, file)
     }
 
+    /// `stowage ARGS… -- BUILDER` where BUILDER is a script that can run
+    /// when exec looks for it and is gone by its start (removed at the
+    /// `exec-before-spawn` pause): the start's own failure, after the
+    /// session began.
+    pub fn run_with_vanishing_command(&self, args: &[&str]) -> Output {
+        use std::os::unix::fs::PermissionsExt;
+        let cmd = self.scratch.join("vanishing-builder");
+        fs::write(&cmd, "#!/bin/sh\n").unwrap();
+        fs::set_permissions(&cmd, fs::Permissions::from_mode(0o755)).unwrap();
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--", cmd.to_str().unwrap()]);
+        let (bg, go) = self.paused(&all, "exec-before-spawn");
+        fs::remove_file(&cmd).unwrap();
+        fs::remove_file(&go).unwrap();
+        bg.finish()
+    }
+
     pub fn sentinel(&self, name: &str) -> PathBuf {
         self.scratch.join(name)
     }

@@ -529,6 +529,34 @@ fn the_readme_flock_example_shares_the_image_lock() {
     );
 }
 
+/// README's flock(1) recipe names the lock file of a long name too: an ENC
+/// of 251 bytes or more gets its first 200 bytes, `~` and 16 hex digits of
+/// its FNV-1a hash. Built by that rule, the path is the image's lock.
+#[test]
+fn the_readme_says_how_a_long_names_lock_file_is_named() {
+    let readme = fs::read_to_string(Path::new(DOCS).join("README.md")).unwrap();
+    let rule = "ENC's first 200 bytes,\n# '~', and the 16 hex digits of ENC's 64-bit FNV-1a hash";
+    assert!(
+        readme.contains(rule),
+        "README's flock recipe says how a long name's lock file is named"
+    );
+    let env = Env::new();
+    let name = format!("team/{}:v1", "a".repeat(246));
+    let enc = name.replace('/', "%").replace(':', "+");
+    assert!(enc.len() >= 251);
+    env.ok(["exec", "--write", &name, "--", "true"]);
+    let hash = (enc.bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let file = env.lock_file(&format!("{}~{hash:016x}", &enc[..200]));
+    assert!(
+        file.exists(),
+        "{}: {:?}",
+        file.display(),
+        tree(&env.root.join("locks/images"))
+    );
+}
+
 /// README's headline example reads its base under a shared lock, which is
 /// sound only for a base ch-image only reads (pulled: linked to its build
 /// cache). The text beside it says so, and sends builds from a base built

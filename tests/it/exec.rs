@@ -470,8 +470,13 @@ fn starts_that_fail_leave_no_lock_file_or_gate() {
     args.extend(hold);
     let holder = env.spawn(&args);
     wait_for_file(&env.sentinel("n"));
-    let w = env.spawn(["exec", "--write", "n", "--", "/nonexistent/cmd"]);
+    // Runnable when asked for, gone by the time the lock is had.
+    let cmd = env.scratch.join("builder");
+    fs::write(&cmd, "#!/bin/sh\n").unwrap();
+    fs::set_permissions(&cmd, fs::Permissions::from_mode(0o755)).unwrap();
+    let w = env.spawn(["exec", "--write", "n", "--", cmd.to_str().unwrap()]);
     env.wait_for_waiter("n");
+    fs::remove_file(&cmd).unwrap();
     env.release("release-n");
     assert_eq!(holder.finish().status.code(), Some(0));
     assert_eq!(w.finish().status.code(), Some(1));
@@ -481,6 +486,37 @@ fn starts_that_fail_leave_no_lock_file_or_gate() {
 }
 
 // --- the command line -------------------------------------------------------
+
+/// `stowage` without a subcommand is a usage error like any other: one
+/// line on stderr, exit 64 (it printed the whole help there); `--help`
+/// still prints the help on stdout, exit 0.
+#[test]
+fn a_missing_subcommand_is_one_usage_line() {
+    let env = Env::new();
+    for args in [&[][..], &["-q"], &["-v"]] {
+        let mut c = Command::new(bin());
+        c.args(args).env_remove("STOWAGE_ROOT");
+        let out = output(c);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert!(
+            err.contains("missing subcommand; see 'stowage --help'"),
+            "{}",
+            show(&out)
+        );
+        assert!(out.stdout.is_empty(), "{}", show(&out));
+    }
+    let out = env.ok(["--help"]);
+    assert!(stdout(&out).lines().count() > 10, "{}", show(&out));
+    assert!(stderr(&out).is_empty(), "{}", show(&out));
+    assert!(!env.root.exists());
+}
 
 #[test]
 fn bad_arguments_exit_64() {
@@ -901,8 +937,13 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
     let env = Env::new();
     env.make_image("base");
     let first = env.hold(&["--write", "base"], "started");
-    let waiter = env.spawn(["exec", "--write", "base", "--", "/nonexistent/cmd"]);
+    // Runnable when asked for, gone by the time the lock is had.
+    let cmd = env.scratch.join("builder");
+    fs::write(&cmd, "#!/bin/sh\n").unwrap();
+    fs::set_permissions(&cmd, fs::Permissions::from_mode(0o755)).unwrap();
+    let waiter = env.spawn(["exec", "--write", "base", "--", cmd.to_str().unwrap()]);
     env.wait_for_waiter("base");
+    fs::remove_file(&cmd).unwrap();
     env.release("release");
     assert_eq!(code(&first.finish()), Some(0));
     let out = waiter.finish();
@@ -919,15 +960,26 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
 /// A command that cannot start is said in the user's words, one line: a
 /// directory given as the command is "a directory" (it was "Permission
 /// denied"), and no "(os error N)" trails the cause. So is the written
-/// image's own new directory: it is looked at before the image is undone.
+/// image's own directory; a new image's is not there when the command is
+/// looked for, before anything is made.
 #[test]
 fn a_command_that_cannot_start_is_said_plainly() {
     let env = Env::new();
+    env.make_image("old");
     let dir = env.tmp.path().to_str().unwrap().to_owned();
     let own = env.root.join("img/app").to_str().unwrap().to_owned();
+    let out = env.run([
+        "exec",
+        "--write",
+        "old",
+        "--",
+        env.root.join("img/old").to_str().unwrap(),
+    ]);
+    assert!(stderr(&out).contains("it is a directory"), "{}", show(&out));
+    assert_eq!(env.state("old").as_deref(), Some("ready"));
     for (cmd, says) in [
         (dir.as_str(), "it is a directory"),
-        (own.as_str(), "it is a directory"),
+        (own.as_str(), "No such file or directory"),
         ("./no-such-builder", "No such file or directory"),
     ] {
         let out = env.run(["exec", "--write", "app", "--", cmd]);
@@ -1067,4 +1119,104 @@ fn a_read_of_an_image_not_ready_says_why() {
         assert_eq!(code(&out), Some(66), "{}", show(&out));
         assert!(stderr(&out).contains(why), "{name}: {}", show(&out));
     }
+}
+
+/// A command that cannot be started (a typo, a directory, a file without
+/// execute permission) is found so before the session begins: with
+/// `--from` no copy of the base is left behind as an incomplete image, as
+/// none is without it.
+#[test]
+fn a_command_that_cannot_start_leaves_no_copy_of_the_base() {
+    let env = Env::new();
+    env.make_image("hello");
+    let plain = env.scratch.join("notes.txt");
+    fs::write(&plain, "not a program\n").unwrap();
+    let dir = env.scratch.to_str().unwrap().to_owned();
+    for (cmd, says) in [
+        ("./typo-script", "No such file or directory"),
+        ("no-such-builder-in-path", "No such file or directory"),
+        (dir.as_str(), "it is a directory"),
+        (plain.to_str().unwrap(), "Permission denied"),
+    ] {
+        let out = env.run(["exec", "--write", "ff1", "--from", "hello", "--", cmd]);
+        assert_eq!(code(&out), Some(1), "{cmd}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("cannot run '{cmd}': {says}")),
+            "{}",
+            show(&out)
+        );
+        assert!(env.image("ff1").is_none(), "{cmd}: {:?}", env.image("ff1"));
+        assert!(!env.root.join("img/ff1").exists(), "{cmd}");
+    }
+    assert_eq!(env.state("hello").as_deref(), Some("ready"));
+}
+
+/// A request that cannot succeed on a root that does not exist yet creates
+/// nothing there (a base that cannot be there, a command that cannot
+/// start); a valid first write still makes the store.
+#[test]
+fn an_exec_that_cannot_succeed_on_a_new_root_creates_nothing() {
+    let env = Env::new();
+    for (args, exit) in [
+        (
+            &["exec", "--write", "a", "--from", "nosuch", "--", "true"][..],
+            66,
+        ),
+        (
+            &["exec", "--write", "a", "--read", "nosuch", "--", "true"],
+            66,
+        ),
+        (&["exec", "--write", "a", "--", "./typo"], 1),
+        (&["exec", "--store-wide", "--", "./typo"], 1),
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(exit), "{args:?}: {}", show(&out));
+        assert!(!env.root.exists(), "{args:?} made {:?}", tree(&env.root));
+    }
+    env.ok(["exec", "--write", "a", "--", "true"]);
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
+/// `-q` silences progress and waiting chatter on stderr, never a report on
+/// stdout nor the line saying a command was skipped: with
+/// `--conflict-exit-code 0` a busy lock skips the command, and stderr alone
+/// says so, `-q` or not; `gc` and `doctor` print their reports.
+#[test]
+fn quiet_never_hides_a_skip_or_a_report() {
+    let env = Env::new();
+    env.make_image("hello");
+    env.run(["exec", "--write", "failed", "--", "false"]);
+    let holder = env.hold(&["--write", "hello"], "held");
+    let out = env.run([
+        "-q",
+        "exec",
+        "--read",
+        "hello",
+        "--no-wait",
+        "--conflict-exit-code",
+        "0",
+        "--",
+        "echo",
+        "RAN",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(!stdout(&out).contains("RAN"), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("'hello'") && err.contains("busy"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{}", show(&out));
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    let out = env.ok(["-q", "gc", "--dry-run"]);
+    assert!(
+        stdout(&out).contains("would remove 'failed'"),
+        "{}",
+        show(&out)
+    );
+    let out = env.run(["-q", "doctor"]);
+    assert!(stdout(&out).contains("incomplete"), "{}", show(&out));
 }

@@ -693,7 +693,24 @@ fn on_a_shared_filesystem_lock_files_are_never_unlinked() {
     let out = nfs(&["rm", "app"]);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert!(env.lock_file("app").exists(), "kept after rm");
-    let out = nfs(&["exec", "--write", "new", "--", "/nonexistent/cmd"]);
+    let out = {
+        use std::os::unix::fs::PermissionsExt;
+        let cmd = env.scratch.join("vanishing-builder");
+        fs::write(&cmd, "#!/bin/sh\n").unwrap();
+        fs::set_permissions(&cmd, fs::Permissions::from_mode(0o755)).unwrap();
+        let go = env.sentinel("paused.exec-before-spawn");
+        let mut c = env.cmd(["exec", "--write", "new", "--", cmd.to_str().unwrap()]);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        c.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("exec-before-spawn:{}", go.display()),
+        );
+        let bg = Bg::from_command(c);
+        wait_for_file(&go);
+        fs::remove_file(&cmd).unwrap();
+        fs::remove_file(&go).unwrap();
+        bg.finish()
+    };
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert!(env.lock_file("new").exists(), "kept after a failed start");
     // Kept lock files are no leftovers there.

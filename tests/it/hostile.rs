@@ -2167,3 +2167,33 @@ fn an_empty_stowage_root_is_refused_not_taken_for_the_default() {
         assert_eq!(fs::read_dir(cwd.path()).unwrap().count(), 0, "{how}");
     }
 }
+
+/// A command a message suggests is one a shell runs as meant, whatever the
+/// root's path holds: a space, a quote, a `$(…)` is quoted, never split or
+/// run. Pasted into sh, the suggestion makes the store at that very path.
+#[test]
+fn a_suggested_command_quotes_the_root_it_names() {
+    let env = Env::new();
+    let marker = env.scratch.join("ran");
+    for name in ["my store", "it's", "$(touch ran)"] {
+        let root = env.scratch.join(name);
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(&root).arg("images");
+        let out = output(c);
+        assert_eq!(code(&out), Some(66), "{}", show(&out));
+        let err = stderr(&out);
+        let start = err.find("('stowage ").expect("a suggestion") + 2;
+        let end = err.rfind("' creates it)").expect("a suggestion");
+        let suggested = &err[start..end];
+        let script = format!("stowage() {{ \"$STOWAGE_BIN\" \"$@\"; }}; {suggested}");
+        let ran = Command::new("sh")
+            .args(["-c", &script])
+            .env("STOWAGE_BIN", bin())
+            .current_dir(&env.scratch)
+            .output()
+            .unwrap();
+        assert_eq!(code(&ran), Some(0), "{suggested}: {}", show(&ran));
+        assert!(root.join("store.conf").exists(), "{suggested}");
+        assert!(!marker.exists(), "{suggested} ran a substitution");
+    }
+}

@@ -309,6 +309,27 @@ fn a_failed_init_leaves_no_root() {
     assert!(!env.root.exists());
 }
 
+/// An images directory whose parent the user may not write: init makes
+/// nothing (no layout whose `images=default` the next exec would fill) and
+/// says the real cause, not a guess at a missing parent.
+#[test]
+fn an_images_directory_that_cannot_be_made_leaves_no_store() {
+    let env = unprivileged_env();
+    let parent = env.tmp.path().join("theirs");
+    fs::create_dir(&parent).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&parent, fs::Permissions::from_mode(0o555)).unwrap();
+    let dir = parent.join("img");
+    let out = unprivileged(&env, &["init", "--images-dir", dir.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("Permission denied"), "{}", show(&out));
+    assert!(err.contains(parent.to_str().unwrap()), "{}", show(&out));
+    assert!(!err.contains("does its parent exist"), "{}", show(&out));
+    assert!(!env.root.exists(), "made {:?}", tree(&env.root));
+    assert!(!dir.exists());
+}
+
 /// `init` without `--images-dir`, or naming the images directory already
 /// in use, takes no store-wide lock: it runs while an outside program
 /// holds store.lock, and beside a new image's writer.

@@ -1281,3 +1281,107 @@ fn older_metadata_put_back_after_the_migration_changes_no_image() {
         "gc removed what failed before, and no more"
     );
 }
+
+/// Asserts `stowage ARGS…` refuses a later release's store in one line
+/// naming the way out (exit 1), and says nothing of damage.
+fn assert_refused_as_newer(env: &Env, args: &[&str], what: &str) {
+    let out = env.run(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+    assert!(
+        err.contains("was made by a newer stowage") && err.contains(what),
+        "{args:?}: {}",
+        show(&out)
+    );
+    assert!(err.contains("upgrade stowage"), "{args:?}: {}", show(&out));
+    assert_eq!(err.lines().count(), 1, "{args:?}: {}", show(&out));
+    assert!(!err.contains("damaged"), "{args:?}: {}", show(&out));
+}
+
+/// Asserts `doctor` (and `doctor --repair`) report a later release's store
+/// as a problem whose fix is an upgrade, and repair nothing of it.
+fn assert_doctor_leaves_newer(env: &Env) {
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+        let text = stdout(&out);
+        assert!(text.contains("upgrade stowage"), "{args:?}: {}", show(&out));
+        assert!(!text.contains("repaired"), "{args:?}: {}", show(&out));
+    }
+}
+
+/// A store whose configuration a later release wrote (a later format) is
+/// that release's: every command that reads the configuration refuses it,
+/// and doctor never sets it aside or writes it back in this format.
+#[test]
+fn a_configuration_of_a_newer_format_is_refused_never_repaired() {
+    let env = Env::new();
+    env.make_image("base");
+    let conf = env.root.join("store.conf");
+    let text = fs::read_to_string(&conf).unwrap();
+    let newer = text.replacen("stowage-store 1\n", "stowage-store 2\n", 1) + "future=yes\n";
+    fs::write(&conf, &newer).unwrap();
+    for args in [
+        &["images"][..],
+        &["lock-status"],
+        &["gc"],
+        &["rm", "base"],
+        &["slots", "set", "pull", "2"],
+        &["init"],
+        &["exec", "--write", "new", "--", "true"],
+    ] {
+        assert_refused_as_newer(&env, args, "store.conf format 2");
+    }
+    assert_doctor_leaves_newer(&env);
+    assert_eq!(fs::read_to_string(&conf).unwrap(), newer);
+}
+
+/// A catalog at a schema above this release's is a later release's: it is
+/// refused, never set aside and made anew at this release's schema.
+#[test]
+fn a_catalog_of_a_newer_schema_is_refused_never_set_aside() {
+    let env = Env::new();
+    env.make_image("base");
+    let db = env.root.join("stowage.db");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.pragma_update(None, "user_version", 99).unwrap();
+    drop(conn);
+    assert_refused_as_newer(&env, &["images"], "schema version 99");
+    assert_doctor_leaves_newer(&env);
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let v: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(v, 99);
+    let names: Vec<String> = fs::read_dir(&env.root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.iter().any(|n| n.contains("damaged")), "{names:?}");
+}
+
+/// An image whose record a later release wrote (`stowage-record 2`) is
+/// refused to read and to write, never rewritten in this release's format.
+#[test]
+fn a_record_of_a_newer_format_is_refused_never_rewritten() {
+    let env = Env::new();
+    env.make_image("base");
+    let lock = env.lock_file("base");
+    let mut bytes = fs::read(&lock).unwrap();
+    assert!(bytes.starts_with(b"stowage-record 1\n"));
+    for slot in [0, 4096] {
+        if bytes[slot..].starts_with(b"stowage-record 1\n") {
+            bytes[slot + 15] = b'2';
+        }
+    }
+    fs::write(&lock, &bytes).unwrap();
+    for args in [
+        &["exec", "--read", "base", "--", "true"][..],
+        &["exec", "--write", "base", "--", "true"],
+    ] {
+        assert_refused_as_newer(&env, args, "image 'base''s record, format 2");
+    }
+    assert_eq!(fs::read(&lock).unwrap()[..4096], bytes[..4096]);
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
+}

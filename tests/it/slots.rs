@@ -1227,3 +1227,46 @@ fn a_new_limit_keeps_the_reserve_unless_one_is_given() {
     env.ok(["slots", "set", "pull", "0"]);
     assert_eq!(reserve(&env), 0);
 }
+
+/// A class whose limits a later release wrote (`stowage-class 2`) is that
+/// release's: every use of it is refused as a newer store's, and `slots
+/// set` never writes it back in this release's format.
+#[test]
+fn limits_of_a_newer_format_are_refused_never_rewritten() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let zero = env.root.join("locks/slots/pull/0.lock");
+    let mut bytes = fs::read(&zero).unwrap();
+    // Each slot's first line, wherever the slots are.
+    for at in 0..bytes.len() {
+        if bytes[at..].starts_with(b"stowage-class 1\n") {
+            bytes[at + 14] = b'2';
+        }
+    }
+    fs::write(&zero, &bytes).unwrap();
+    for args in [
+        &["slots"][..],
+        &["slots", "set", "pull", "3"],
+        &["slots", "rm", "pull"],
+        &["exec", "--slot", "pull", "--", "true"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("made by a newer stowage") && err.contains("format 2"),
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    assert_eq!(fs::read(&zero).unwrap(), bytes);
+    let out = env.run(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
+    assert_eq!(fs::read(&zero).unwrap(), bytes);
+}
