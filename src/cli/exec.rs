@@ -86,7 +86,7 @@ fn refuse_before_anything_is_made(root: &crate::root::Root, plan: &Plan) -> Resu
     let req = &plan.request;
     match req.reads.first() {
         Some(name) if !req.writes.is_empty() && !root.holds_store() => {
-            Err(crate::Error::NoSuchImage(name.to_string()).into())
+            Err(crate::Error::NoSuchImage(vec![name.to_string()]).into())
         }
         _ => Ok(()),
     }
