@@ -3,8 +3,7 @@
 //! - Each exec appends its lease to its command's [`crate::env::EXEC_LEASES`] (outermost first).
 //!   A lock a live lease named there lists is held by an enclosing command, which waits for us;
 //!   but an environment can be saved and restored by anyone: where the lease's pid means a process
-//!   to us, its owner must also be our ancestor, or (the owner killed) an ancestor must hold the
-//!   lease's lock through a descriptor of its own: the owner's command, which waits for us.
+//!   to us, its owner must also be our ancestor.
 //! - Judged by leases and the environment, never a pid alone or a device number: it holds across
 //!   pid namespaces, on btrfs and on shared filesystems. A stale name's lease is dead: harmless.
 //! - An exclusive read ([`HeldAs::ExclusiveRead`]) is no write: a read inside it runs under it.
@@ -192,22 +191,6 @@ fn ready(locks: &Path, rel: &str) -> bool {
 fn encloses(name: &str, id: &Identity, chain: &[u32]) -> bool {
     !id.pid_numbered_as_ours()
         || (id.pid.is_some_and(|p| chain[1..].contains(&p)) && owns(name, id))
-        || kept_by_ancestor(name, id, &chain[1..])
-}
-
-/// Whether one of `ancestors` holds lease `name` locked through a descriptor of its own: the
-/// command of an exec killed meanwhile (SIGKILL), which inherited the lease with the locks and
-/// keeps both while it waits for us. The lease's lock tells, not the file merely open (anyone may
-/// open it); only where `/proc` shows it (a lease made after the command started, as on a shared
-/// filesystem, is not inherited: such a call waits like anyone).
-fn kept_by_ancestor(name: &str, id: &Identity, ancestors: &[u32]) -> bool {
-    let Some((_, ino)) = id.file else {
-        return false;
-    };
-    let locked = |p: u32| {
-        crate::kernel::locks_through_own_fds(p).is_some_and(|held| held.iter().any(|k| k.1 == ino))
-    };
-    (ancestors.iter()).any(|&p| has_open(p, name, ino) == Some(true) && locked(p))
 }
 
 fn held(id: Identity) -> impl Iterator<Item = Holding> {
@@ -236,13 +219,12 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         .iter()
         .filter(|n| !crate::lease::is_mine(n))
         .filter_map(|n| Some((n, crate::lease::identity(leases, n)?)))
-        // Its owner, not a later user of its pid (a lease outlives its owner: dead until a look
-        // cleans it, or kept alive by the owner's command): the owner has its lease open; or,
-        // the owner gone, an ancestor that holds it with the locks, its command.
-        .filter(|(n, id)| {
-            let ours = id.pid.is_some_and(|p| chain[1..].contains(&p)) && owns(n, id);
-            id.pid_numbered_as_ours() && (ours || kept_by_ancestor(n, id, &chain[1..]))
+        .filter(|(_, id)| {
+            id.pid_numbered_as_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p))
         })
+        // Its owner, not a later user of its pid (a lease outlives its owner: dead until a look
+        // cleans it, or kept alive by the owner's command): the owner has its lease open.
+        .filter(|(n, id)| owns(n, id))
         .filter(|(n, _)| crate::lease::alive(leases, n).unwrap_or(true))
         .map(|(_, id)| id)
         .collect();
