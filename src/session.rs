@@ -748,16 +748,9 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
 
 /// A later release's record among the images: that release's store, neither read nor written here.
 fn newer_record(root: &Root, images: &[Image]) -> Option<Error> {
-    images.iter().find_map(|i| {
-        let what = format!(
-            "image '{}''s record, format {}",
-            i.held.name, i.held.seen.newer?
-        );
-        Some(Error::Newer {
-            root: root.dir().to_path_buf(),
-            what,
-        })
-    })
+    images
+        .iter()
+        .find_map(|i| crate::acquire::image::newer(root, &i.held))
 }
 
 /// Reads need `ready` (a write in flight whose lock we share was a dead writer's: incomplete).

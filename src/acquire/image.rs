@@ -406,3 +406,16 @@ pub(crate) fn try_exclusive(root: &Root, name: &ImageName) -> Option<Held> {
 fn no_such(name: &ImageName) -> anyhow::Error {
     Error::NoSuchImage(vec![name.as_str().to_owned()]).into()
 }
+
+/// [`Error::Newer`] if `held`'s record is a later release's: that release's image, neither read,
+/// written nor removed here.
+pub(crate) fn newer(root: &Root, held: &Held) -> Option<Error> {
+    let what = format!(
+        "image '{}''s record, format {}",
+        held.name, held.seen.newer?
+    );
+    Some(Error::Newer {
+        root: root.dir().to_path_buf(),
+        what,
+    })
+}

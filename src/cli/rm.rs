@@ -131,7 +131,12 @@ fn take_all(
         let rel = crate::root::Root::image_lock_rel(name);
         listed.push(Holding::now(Mode::Exclusive, rel, false, command));
         let missing = (h.seen.record.is_none() && !h.seen.damaged) || h.seen.legacy;
+        let newer = crate::acquire::image::newer(store.root(), &h);
         held.push(h);
+        if let Some(e) = newer {
+            remove::release_unclaimed(store.root(), held, &[]);
+            return Err(e.into());
+        }
         if missing {
             remove::release_unclaimed(store.root(), held, &[]);
             return Err(crate::Error::NoSuchImage(vec![name.as_str().to_owned()]).into());

@@ -1378,10 +1378,12 @@ fn a_record_of_a_newer_format_is_refused_never_rewritten() {
     for args in [
         &["exec", "--read", "base", "--", "true"][..],
         &["exec", "--write", "base", "--", "true"],
+        &["rm", "base"],
     ] {
         assert_refused_as_newer(&env, args, "image 'base''s record, format 2");
     }
     assert_eq!(fs::read(&lock).unwrap()[..4096], bytes[..4096]);
+    assert!(env.images_dir().join("base").is_dir());
     let out = env.run(["doctor"]);
     assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
 }
