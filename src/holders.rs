@@ -685,6 +685,7 @@ impl<'c> Look<'c> {
     /// /proc tells; for what and since when the lease says.
     fn kept_from(&self, path: &Path, n: &str, h: &Holding, e: &Entry) -> Vec<Party> {
         let kept = self.kept_by(path, e).into_iter().map(|p| Party {
+            kept: true,
             stowage: Some(true),
             lease: Some(n.to_owned()),
             since: Some(h.since),
@@ -724,7 +725,7 @@ impl<'c> Look<'c> {
             .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a) || others.contains(&a)))
             .filter(running);
         let party = |pid| Party {
-            kept: inside_an_exec(pid),
+            kept: started_by_an_ended_exec(&self.leases_dir, pid),
             ..Party::outsider(
                 self.ctx,
                 &Entry {
@@ -905,14 +906,22 @@ pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
 }
 
 /// The processes above local process `pid`: its parent, its parent's, … (to pid 1, at most 64).
-/// Whether process `pid` was started inside a stowage exec (its environment names the exec's
-/// lease): a lock it holds that no lease lists was kept from that exec, not taken outside stowage
-/// (a script's `flock 9`, its descriptor shared by the shell).
-fn inside_an_exec(pid: u32) -> bool {
+/// Whether process `pid` was started by a stowage exec that has ended (its environment names the
+/// exec's lease, and no lease it names is alive): a lock it holds that no lease lists was kept
+/// from that exec. Else it took the lock outside stowage (a script's `flock 9`, or its own flock
+/// inside a running exec).
+fn started_by_an_ended_exec(leases: &Path, pid: u32) -> bool {
     let var = format!("{}=", crate::env::EXEC_LEASES);
     let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-    env.split(|b| *b == 0)
-        .any(|v| v.len() > var.len() && v.starts_with(var.as_bytes()))
+    let named = env
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(var.as_bytes()));
+    let names = String::from_utf8_lossy(named.unwrap_or_default()).into_owned();
+    let names: Vec<&str> = names.split(':').filter(|n| !n.is_empty()).collect();
+    !names.is_empty()
+        && !names
+            .iter()
+            .any(|n| crate::lease::alive(leases, n).unwrap_or(true))
 }
 
 fn ancestors(pid: u32) -> impl Iterator<Item = u32> {

@@ -153,8 +153,8 @@ fn party(p: &Party) -> String {
         s.push_str(&format!(" since {at} ({ago} ago)"));
     }
     match p.stowage {
-        Some(true) => {}
         _ if p.kept => s.push_str(" [kept it after the exec that took it ended]"),
+        Some(true) => {}
         Some(false) => s.push_str(" [outside stowage]"),
         None => s.push_str(" [outside stowage, or on another host]"),
     }

@@ -1287,6 +1287,7 @@ fn a_lock_kept_by_the_command_of_a_killed_exec_names_that_command() {
         exec.signal(libc::SIGKILL);
         let _ = exec.child.as_mut().unwrap().wait();
         let entry = env.lock_entry("k").unwrap();
+        let text = stdout(&env.ok(["lock-status"]));
         let out = env.run(["exec", "--read", "k", "--no-wait", "--", "true"]);
         // SAFETY: the pid of our child's command, which we end.
         unsafe { libc::kill(command as i32, libc::SIGKILL) };
@@ -1306,6 +1307,10 @@ fn a_lock_kept_by_the_command_of_a_killed_exec_names_that_command() {
             stderr(&out).contains("after the exec that took it ended"),
             "{}",
             show(&out)
+        );
+        assert!(
+            text.contains("[kept it after the exec that took it ended]"),
+            "{text}"
         );
     }
 }
@@ -1348,4 +1353,33 @@ fn a_slot_a_script_took_by_flock_on_a_descriptor_is_held_outside_stowage() {
         show(&out)
     );
     script.kill_all();
+}
+
+/// A lock a command running inside a live exec takes itself, with flock(1), is held outside
+/// stowage: its environment names a lease alive, not an exec that ended (it was said kept).
+#[test]
+fn a_lock_a_command_inside_a_running_exec_takes_itself_is_held_outside_stowage() {
+    let env = Env::new();
+    env.make_image("x");
+    env.make_image("n");
+    let lock = env.lock_file("n");
+    let started = env.sentinel("started");
+    let script = format!(
+        "exec 9<>'{}'; flock 9; touch '{}'; exec sleep 30",
+        lock.display(),
+        started.display()
+    );
+    let exec = env.spawn(["exec", "--read", "x", "--", "bash", "-c", &script]);
+    wait_for_file(&started);
+    let entry = env.lock_entry("n").unwrap();
+    let text = stdout(&env.ok(["lock-status", "n"]));
+    exec.kill_all();
+    if !table_names_holders(&env) {
+        eprintln!("skipping: this filesystem's lock table names no holder");
+        return;
+    }
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry}");
+    assert_ne!(holders[0]["kept"], true, "{entry}");
+    assert!(text.contains("[outside stowage]"), "{text}");
 }
