@@ -1270,3 +1270,29 @@ fn limits_of_a_newer_format_are_refused_never_rewritten() {
     assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
     assert_eq!(fs::read(&zero).unwrap(), bytes);
 }
+
+/// A command of a killed exec that closed its slot's descriptors, keeping the lease it inherited,
+/// holds no slot: a call it nests in that class waits for the process that took the freed slot
+/// (a lease held proved none of the locks it lists, and the call ran over the limit).
+#[test]
+fn a_lease_kept_without_its_slot_lets_no_nested_call_over_the_limit() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "1"]);
+    let (other, result) = (env.sentinel("other"), env.sentinel("result"));
+    let script = format!(
+        r#"kill -9 $PPID; sleep 0.2
+for f in /proc/$$/fd/*; do case $(readlink "$f") in *slots/*) eval "exec ${{f##*/}}>&-";; esac; done
+'{bin}' exec --slot c -- sh -c "touch '{other}'; sleep 5" &
+i=0; while [ ! -e '{other}' ] && [ $i -lt 500 ]; do sleep 0.02; i=$((i+1)); done
+'{bin}' exec --slot c --wait 0.5 -- true; echo $? > '{result}'; wait"#,
+        bin = bin(),
+        other = other.display(),
+        result = result.display()
+    );
+    let outer = env.spawn(["exec", "--slot", "c", "--", "bash", "-c", &script]);
+    wait_until("the nested call ends", || {
+        fs::read_to_string(&result).is_ok_and(|t| t.ends_with('\n'))
+    });
+    assert_eq!(fs::read_to_string(&result).unwrap().trim(), "75");
+    outer.kill_all();
+}
