@@ -905,7 +905,6 @@ pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
     s
 }
 
-/// The processes above local process `pid`: its parent, its parent's, … (to pid 1, at most 64).
 /// Whether process `pid` was started by a stowage exec that has ended (its environment names the
 /// exec's lease, and no lease it names is alive): a lock it holds that no lease lists was kept
 /// from that exec. Else it took the lock outside stowage (a script's `flock 9`, or its own flock
@@ -924,6 +923,7 @@ fn started_by_an_ended_exec(leases: &Path, pid: u32) -> bool {
             .any(|n| crate::lease::alive(leases, n).unwrap_or(true))
 }
 
+/// The processes above local process `pid`: its parent, its parent's, … (to pid 1, at most 64).
 fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
     let parent = |&p: &u32| {
         let ppid: u32 = ident::stat_fields(p)?

@@ -664,7 +664,6 @@ fn take_images(
     Ok(Ok(images))
 }
 
-/// Images to lock, in lock order (ascending ENC); one read and written is taken once, exclusively.
 /// What the lease lists of the images `wanted` while the command waits, before it takes them.
 fn queued(req: &Request, wanted: &[(ImageName, Role)]) -> Vec<crate::lease::Holding> {
     let queued = wanted.iter().map(|(name, role)| {
@@ -676,6 +675,7 @@ fn queued(req: &Request, wanted: &[(ImageName, Role)]) -> Vec<crate::lease::Hold
     queued.collect()
 }
 
+/// Images to lock, in lock order (ascending ENC); one read and written is taken once, exclusively.
 fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
     let mut wanted: Vec<(ImageName, Role)> = [
         (&req.reads, Role::Read),
