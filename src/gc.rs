@@ -85,8 +85,12 @@ pub struct Collected {
 pub struct Report {
     pub dry_run: bool,
     pub removed: Vec<Collected>,
-    /// Images that qualified but were in use (locked), and so kept.
+    /// Images that qualified but were in use (locked, or listed by a waiting command as one it
+    /// will take), and so kept.
     pub busy: Vec<String>,
+    /// Those of `busy` kept only for a waiting command (lock-status shows it as queued).
+    #[serde(skip)]
+    pub queued: Vec<String>,
     pub bytes_freed: u64,
     pub size_before: u64,
     pub size_after: u64,
@@ -655,6 +659,7 @@ fn take_for_collect(
     // A command waiting for its slot or another lock will take it: in use, as a held one is.
     if crate::lease::awaited(&root.leases(), &crate::root::Root::image_lock_rel(name)) {
         report.kept_busy(img.name());
+        report.queued.push(img.name().to_owned());
         return Ok(None);
     }
     match hold.seen().record.clone() {

@@ -136,6 +136,8 @@ pub struct LockReport {
     pub state: Probe,
     pub holders: Vec<Party>,
     pub waiters: Vec<Party>,
+    /// Waiting commands that take the lock once they have what they wait for (a slot, an image).
+    pub queued: Vec<Party>,
     /// For image locks: the image's state, from its record.
     pub image_state: Option<State>,
     /// For slot classes: limit, reserve for high priority, slots in use.
@@ -264,7 +266,8 @@ impl<'c> Look<'c> {
         self.said
             .iter()
             .filter(|(n, id)| !id.holdings.is_empty() && (self.table.is_none() || self.alive(n)))
-            .flat_map(|(_, id)| id.holdings.iter().map(|h| h.lockfile.as_str()))
+            .flat_map(|(_, id)| id.holdings.iter().chain(&id.queued))
+            .map(|h| h.lockfile.as_str())
     }
 
     /// Inodes on the store's filesystem the table shows flocked (held or awaited) that no live
@@ -333,6 +336,16 @@ impl<'c> Look<'c> {
     /// The live leases waiting for the lock (or slot class) `rel`, as they listed it.
     pub fn awaiting(&self, rel: &str) -> Vec<Party> {
         self.parties(&self.said, |_, h| h.awaits && h.lockfile == rel)
+    }
+
+    /// The live waiters that list lock `rel` as one to take once their wait ends.
+    fn queued(&self, rel: &str) -> Vec<Party> {
+        let live = self.said.iter().filter(|(n, _)| self.alive(n));
+        let lines = live.flat_map(|(n, id)| {
+            let mine = id.queued.iter().filter(|h| h.lockfile == rel);
+            mine.map(move |h| self.party(n, id, h))
+        });
+        lines.collect()
     }
 
     /// The parties of every line of the live leases in `leases` that `pick` accepts.
@@ -519,12 +532,17 @@ impl<'c> Look<'c> {
             (state, holders) = self.held_by_whom(path, &rel, state, entries.as_deref());
         }
         listed_once(&holders, &mut waiters);
+        // A queued lock its waiter has since taken or awaits is listed once, as that.
+        let mut queued = self.queued(&rel);
+        let lease_of = |p: &Party| holders.iter().chain(&waiters).any(|o| o.lease == p.lease);
+        queued.retain(|p| !lease_of(p));
         LockReport {
             kind,
             name: name.to_owned(),
             state: settle(state),
             holders,
             waiters,
+            queued,
             image_state: None,
             slot: None,
         }
@@ -825,6 +843,7 @@ impl<'c> Look<'c> {
             state: settle(state),
             holders,
             waiters: es.iter().filter(|e| e.blocked).map(party).collect(),
+            queued: Vec::new(),
             image_state: None,
             slot: None,
         }

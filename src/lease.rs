@@ -551,8 +551,8 @@ pub struct Identity {
     pub start: Option<u64>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
-    /// The lock files it will take once it has what it awaits.
-    pub queued: Vec<String>,
+    /// The locks it will take once it has what it awaits.
+    pub queued: Vec<Holding>,
     /// The leases of the execs the owner runs inside, outermost first.
     pub within: Vec<String>,
     /// The lease file's device and inode as read: they find its table entry even once unlinked.
@@ -633,13 +633,14 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
                 let Some(mut h) = Holding::parse(k == "await", v) else {
                     continue;
                 };
+                h.queued = k == "queue";
                 // A line without a command has the command of the line before.
                 match h.command.is_empty() {
                     true => h.command.clone_from(&before),
                     false => before.clone_from(&h.command),
                 }
                 match k {
-                    "queue" => id.queued.push(h.lockfile),
+                    "queue" => id.queued.push(h),
                     _ => id.holdings.push(h),
                 }
             }
@@ -682,7 +683,7 @@ fn names_in(dir: &crate::dir::Dir) -> Vec<String> {
 /// will take once it has what it waits for (`acquire::queue`).
 pub fn awaited(leases: &Path, lockfile: &str) -> bool {
     let awaits = |id: Identity| {
-        id.queued.iter().any(|q| q == lockfile)
+        id.queued.iter().any(|q| q.lockfile == lockfile)
             || (id.holdings.iter()).any(|h| h.awaits && h.lockfile == lockfile)
     };
     listing(leases)

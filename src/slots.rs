@@ -374,6 +374,7 @@ pub fn report_of(
         },
         holders,
         waiters,
+        queued: Vec::new(),
         image_state: None,
         slot: limits.map(|l| (l.limit, l.reserve, in_use)),
     }

@@ -100,7 +100,10 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
         line(format!("{verb} '{}' ({}, {size}): {why}", r.name, r.state));
     }
     for name in &report.busy {
-        line(format!("kept '{name}': in use"));
+        match report.queued.contains(name) {
+            true => line(format!("kept '{name}': a waiting command will use it")),
+            false => line(format!("kept '{name}': in use")),
+        }
     }
     for kept in &report.unknown {
         let (name, why) = kept.split_once(": ").unwrap_or((kept, ""));

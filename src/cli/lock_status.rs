@@ -124,7 +124,9 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
             l.name.clone()
         };
         let held = l.holders.iter().map(|p| format!("held: {}", party(p)));
-        let mut who = held.chain(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
+        let waiting = l.waiters.iter().map(|p| format!("waiting: {}", party(p)));
+        let queued = l.queued.iter().map(|p| format!("queued: {}", party(p)));
+        let mut who = held.chain(waiting).chain(queued);
         let first = who.next().unwrap_or_default();
         let kind = format!("{:?}", l.kind).to_lowercase();
         rows.push([name, kind, state, first]);
@@ -169,11 +171,11 @@ struct StatusJson<'a> {
 }
 
 /// As JSON: kind, name, an image's state (null: no record), a slot class's limit, reserve and slots in use (null
-/// once the class is removed while held), then state, holders and waiters.
+/// once the class is removed while held), then state, holders, waiters and (images) queued waiters.
 impl Serialize for LockReport {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut m = s.serialize_struct("LockReport", 9)?;
+        let mut m = s.serialize_struct("LockReport", 10)?;
         m.serialize_field("kind", &self.kind)?;
         m.serialize_field("name", &self.name)?;
         // Every image entry has it, null where no record says (a lock file taken from outside).
@@ -190,6 +192,9 @@ impl Serialize for LockReport {
         m.serialize_field("state", state_str(self.state))?;
         m.serialize_field("holders", &self.holders)?;
         m.serialize_field("waiters", &self.waiters)?;
+        if self.kind == LockKind::Image {
+            m.serialize_field("queued", &self.queued)?;
+        }
         m.end()
     }
 }
@@ -279,7 +284,7 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
     let mut images = Vec::new();
     // A file asked for is a named image's: shown whatever its state.
     for (_, asked, (r, recorded)) in reports {
-        let busy = r.state != Probe::Free || !r.waiters.is_empty();
+        let busy = r.state != Probe::Free || !r.waiters.is_empty() || !r.queued.is_empty();
         // Every image with --all: not a free lock file whose record its image's removal emptied
         // (kept where lock files are never unlinked), which names none.
         if (sel.all && (busy || recorded)) || asked.is_some() || (busy && sel.names.is_empty()) {

@@ -1383,3 +1383,41 @@ fn a_lock_a_command_inside_a_running_exec_takes_itself_is_held_outside_stowage()
     assert_ne!(holders[0]["kept"], true, "{entry}");
     assert!(text.contains("[outside stowage]"), "{text}");
 }
+
+/// A command waiting for a slot lists the images it takes after it: lock-status shows it as
+/// queued on each (in text and JSON, and among the busy locks it lists by default), and gc, which
+/// keeps those images for it, says why instead of calling a free image "in use".
+#[test]
+fn a_command_queued_behind_a_slot_shows_on_the_images_it_will_take() {
+    let env = Env::new();
+    env.ok(["slots", "set", "build", "1"]);
+    env.make_image_used_long_ago("base");
+    let slot = env.hold_until(&["--slot", "build"], "slot", "slot-go");
+    let queued = env.spawn(["exec", "--slot", "build", "--read", "base", "--", "true"]);
+    env.wait_for_slot_waiters("build", 1);
+    let json = env.status_json(Vec::<&str>::new());
+    let base = json["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "base");
+    let base = base.unwrap_or_else(|| panic!("base not listed: {json}"));
+    assert_eq!(base["state"], "free", "{base}");
+    assert_eq!(base["queued"].as_array().map(Vec::len), Some(1), "{base}");
+    assert_eq!(base["queued"][0]["mode"], "shared", "{base}");
+    assert_eq!(base["queued"][0]["command"], "true", "{base}");
+    let text = stdout(&env.ok(["lock-status"]));
+    assert!(text.contains("queued: pid"), "{text}");
+    let gc = stdout(&env.ok(["gc", "--unused-for", "1d"]));
+    assert!(
+        gc.contains("kept 'base': a waiting command will use it"),
+        "{gc}"
+    );
+    env.release("slot-go");
+    for bg in [slot, queued] {
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    }
+    let json = env.status_json(["base"]);
+    assert_eq!(json["locks"][1]["queued"], serde_json::json!([]), "{json}");
+}
