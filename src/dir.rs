@@ -669,7 +669,7 @@ fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
                 Ok(true) => {}
                 Ok(false) if depth == 1 => return Ok(()),
                 Ok(false) => climb_out(&mut stack, removed)?,
-                Err(e) => return Err(refused_here(&stack, e, LIST)),
+                Err(e) => return Err(refused_here(&stack, e, LIST, None)),
             }
             continue;
         };
@@ -816,15 +816,31 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
             }
             parent.pending.push(done.name);
         }
-        Err(e) => return Err(refused_here(stack, e, DELETE_IN)),
+        Err(e) => return Err(refused_here(stack, e, DELETE_IN, Some(&done.name))),
     }
     Ok(())
 }
 
-/// `e`, a step refused in the walk's current level, explained ([`explain_refusal`]).
-fn refused_here(stack: &[Level], e: io::Error, access: libc::c_int) -> io::Error {
+/// `e`, a step refused in the walk's current level (on its entry `name`), explained
+/// ([`explain_refusal`]); an EPERM it leaves unexplained names the entry and the likely cause.
+fn refused_here(
+    stack: &[Level],
+    e: io::Error,
+    access: libc::c_int,
+    name: Option<&OsStr>,
+) -> io::Error {
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
-    explain_refusal(e, &[(dir, None, access, &shown(&trail(stack)))])
+    let e = explain_refusal(e, &[(dir, None, access, &shown(&trail(stack)))]);
+    match (e.raw_os_error(), name) {
+        (Some(libc::EPERM), Some(name)) => io::Error::new(
+            e.kind(),
+            format!(
+                "{e}: {:?} in it, or the directory holding it, is immutable or append-only ('lsattr -d' shows it, 'chattr -i' or 'chattr -a' clears it)",
+                trail(stack).join(name)
+            ),
+        ),
+        _ => e,
+    }
 }
 
 /// Removes the entry `name` of the walk's current level, or opens it if a directory (not a mount
@@ -838,7 +854,7 @@ fn remove_or_open(
 ) -> io::Result<Option<Level>> {
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
     let there = || shown(&trail(stack).join(&name));
-    let in_dir = |e| refused_here(stack, e, DELETE_IN);
+    let in_dir = |e| refused_here(stack, e, DELETE_IN, Some(&name));
     let Some(sub) = dir.open_to_empty(&name, Some(dev), removed, &in_dir, &there)? else {
         return Ok(None);
     };

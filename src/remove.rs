@@ -336,6 +336,33 @@ fn trash_entry_name(root: &Root, enc: &str) -> String {
 /// image name may: `a:b` is `a+b`; the older naming's owner part then names no lease).
 const OWNER_END: char = '+';
 
+/// The encoded image name a trash entry was named after (as [`trash_entry_name`] made it): taken
+/// over again and again, an entry keeps it, never a longer name cut short.
+fn removed_as(entry: &str) -> &str {
+    let digits = |s: &str, hex: bool| {
+        let ok = |c: char| {
+            if hex {
+                c.is_ascii_hexdigit()
+            } else {
+                c.is_ascii_digit()
+            }
+        };
+        !s.is_empty() && s.chars().all(ok)
+    };
+    let (rest, made) = match entry.split_once(OWNER_END) {
+        Some((lease, rest)) if lease.ends_with(".lease") => (rest, vec![false, false]),
+        _ => (entry, vec![false, true, false]),
+    };
+    let mut parts = rest.splitn(made.len() + 1, '.');
+    let stamped = made
+        .iter()
+        .all(|&hex| parts.next().is_some_and(|p| digits(p, hex)));
+    match (stamped, parts.next()) {
+        (true, Some(enc)) => enc,
+        _ => rest,
+    }
+}
+
 /// Whether trash entry `entry` is being deleted by another live remover (named first in it); ours
 /// (a removal we finished) are ours to delete.
 fn removal_underway(root: &Root, entry: &OsStr) -> bool {
@@ -395,9 +422,7 @@ fn remove_trash_entry(trash: &Dir, entry: &OsStr) -> std::io::Result<()> {
 /// A leftover trash entry renamed to a name of our lease's (one atomic step), so that nobody else
 /// deletes it beside us; `None` if another took it first.
 fn take_over(root: &Root, trash: &Dir, entry: &OsStr) -> std::io::Result<Option<OsString>> {
-    let rest = entry.to_string_lossy();
-    let rest = rest.split_once(OWNER_END).map_or(&*rest, |(_, r)| r);
-    let ours = OsString::from(trash_entry_name(root, rest));
+    let ours = OsString::from(trash_entry_name(root, removed_as(&entry.to_string_lossy())));
     match trash.rename_to(entry, trash, &ours) {
         Ok(()) => Ok(Some(ours)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -423,7 +448,6 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
             out.underway += 1;
             continue;
         }
-        let path = root.trash().join(&entry);
         // Made ours first, so one process deletes and counts it (a repair beside gc).
         let entry = match fix.then(|| take_over(root, &trash, &entry)) {
             Some(Ok(Some(ours))) => {
@@ -432,12 +456,15 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
             }
             Some(Ok(None)) => continue,
             Some(Err(e)) => {
+                let path = root.trash().join(&entry);
                 out.failed
                     .push(format!("cannot take {}: {e}", path.display()));
                 continue;
             }
             None => entry,
         };
+        // Named as it is now: a line naming the entry left behind names one that is there.
+        let path = root.trash().join(&entry);
         let bytes = disk_usage::freed_by_deleting(&root.trash().join(&entry)).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {
             out.failed

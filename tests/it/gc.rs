@@ -677,6 +677,52 @@ fn gc_finishes_an_interrupted_removal() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
 
+/// A tree left in the trash (a file in it immutable) is named, each gc, by the path it has then,
+/// and keeps its image's name however often gc takes it over: the line named the entry's name
+/// before gc renamed it, and each takeover put a new stamp before the old one, cutting the image's
+/// name off after about five. The line names the immutable file and how to clear it.
+#[test]
+fn a_tree_left_in_the_trash_keeps_its_name_and_is_named_where_it_is() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.build("stuck", "echo x > \"$STOWAGE_IMAGE_DIR/f\"");
+    let file = env.root.join("img/stuck/f");
+    if !immutable(&file, true) {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let out = env.run(["rm", "stuck"]);
+    let trash = env.root.join("trash");
+    let entries = || -> Vec<String> {
+        let names = fs::read_dir(&trash)
+            .unwrap()
+            .map(|e| e.unwrap().file_name());
+        names.map(|n| n.to_string_lossy().into_owned()).collect()
+    };
+    let mut left = Vec::new();
+    for _ in 0..7 {
+        let out = env.run(["gc", "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        left.push((report["failed"].to_string(), entries()));
+    }
+    let entry = trash.join(entries().first().cloned().unwrap_or_default());
+    assert!(immutable(&entry.join("f"), false), "{}", show(&out));
+    env.ok(["gc"]);
+    assert!(entries().is_empty());
+    for (failed, now) in left {
+        assert_eq!(now.len(), 1, "{now:?}");
+        assert!(now[0].ends_with(".stuck"), "{now:?}");
+        let named = trash.join(&now[0]).display().to_string();
+        assert!(failed.contains(&named), "{failed} does not name {named}");
+        assert!(
+            failed.contains("\\\"f\\\" in it") && failed.contains("chattr -i"),
+            "{failed}"
+        );
+    }
+}
+
 #[test]
 fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
     for point in ["rm-marked", "rm-moved"] {
