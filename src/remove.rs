@@ -388,6 +388,15 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
     if let Some(what) = in_use_by_a_store(&dir) {
         anyhow::bail!("cannot empty {shown}: it is {what}; move it out first");
     }
+    // A walk never crosses into another mount below its top; the top itself is asked here.
+    if dir
+        .is_mount_root()
+        .with_context(|| format!("cannot look at {shown}"))?
+    {
+        anyhow::bail!(
+            "cannot empty {shown}: it is a mount point; unmount it first (nothing is deleted across a mount)"
+        );
+    }
     let names = dir.names();
     for entry in names.with_context(|| format!("cannot list {shown}"))? {
         crate::signals::check()?;

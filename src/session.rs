@@ -397,6 +397,14 @@ impl Session {
         let src = images_dir.join(base.encoded());
         let dst = images_dir.join(target.encoded());
         let cannot = || format!("cannot copy image '{base}' to '{target}'");
+        // A base that is a mount point is no tree of the images directory (it may even hold it).
+        if s.is_mount_root().with_context(cannot)? {
+            anyhow::bail!(
+                "{}: {} is a mount point; a copy takes nothing across a mount (unmount it first)",
+                cannot(),
+                src.display()
+            );
+        }
         crate::remove::empty_image_dir(&images, images_dir, target).with_context(cannot)?;
         crate::debug::pause("clone-emptied");
         // The directory opened before is still the one at its path (the builder gets that path).
