@@ -578,6 +578,12 @@ impl Root {
         {
             self.create_config(&root).1?;
         }
+        // The locks gc needs are made with the layout: made first when needed, a filesystem out of
+        // inodes left gc unable to run (`store.lock` is not: a new image's write asks it if there).
+        let (shared, create) = (crate::lock::Mode::Shared, crate::lock::IfMissing::Create);
+        for lock in [self.global_lock(), self.gc_lock()] {
+            drop(crate::lock::acquire_no_wait(&lock, shared, create));
+        }
         crate::space::refill(&self.reserve());
         Ok(())
     }

@@ -751,6 +751,30 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
     }
 }
 
+/// A filesystem out of inodes (a build made files until none was left) still lets gc run and free
+/// them: the locks gc needs are made with the layout, not first when needed (gc failed: no inode
+/// to make its lock in).
+#[test]
+fn gc_runs_on_a_filesystem_out_of_inodes() {
+    let Some(mnt) = Mount::tmpfs("size=16m,nr_inodes=300") else {
+        return;
+    };
+    let env = mnt.env();
+    env.make_image("a");
+    let fill = "i=0; while (echo >\"$STOWAGE_IMAGE_DIR/f$i\") 2>/dev/null; do i=$((i+1)); done";
+    env.build("fill", fill);
+    // What the build's end gave back (its lease, the catalog's journal) is taken too.
+    let img = env.root.join("img/fill");
+    let more = (0..).take_while(|i| fs::write(img.join(format!("g{i}")), "g").is_ok());
+    assert!(more.count() < 100);
+    let probe = mnt.dir.join("probe");
+    assert!(fs::write(&probe, "").is_err(), "inodes are left");
+    let out = env.run(["gc", "--max-size", "0"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(env.images_json().is_empty(), "{}", show(&out));
+    fs::write(&probe, "").unwrap();
+}
+
 /// What gc says it freed finishing removals a crash cut short is what `df` gets back, their lock
 /// files included (it left them out), and its dry run says the same.
 #[test]
