@@ -138,13 +138,15 @@ fn open_source(
 }
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both opened by the caller
-/// from the images directory's descriptor (`src` and `dst` name them in messages).
+/// from the images directory's descriptor (`src` and `dst` name them in messages). On failure,
+/// `changed` says whether anything of `dst_root` changed (else the image is as it was).
 pub fn copy_tree_at(
     src_root: Dir,
     src: &Path,
     dst_root: Dir,
     dst: &Path,
     progress: &mut Bar,
+    changed: &mut bool,
 ) -> Result<Copied> {
     // A bar never shown needs no total: the base is not walked for it.
     if progress.enabled {
@@ -162,18 +164,18 @@ pub fn copy_tree_at(
     let mount = src_root
         .mount_id()
         .with_context(|| format!("cannot read {}", src.display()))?;
-    let was = make_private(&dst_root, dst)?;
     let mut names = src_root
         .entries()
         .with_context(|| format!("cannot list {}", src.display()))?;
     let before = names.len();
     names.retain(|n| n.as_bytes() != b".git" || !worktree_link(&src_root));
     let worktree_link_left_out = names.len() < before;
+    // All that can fail before the first change, before it.
+    let dst_top = (dst_root.sub(".")).with_context(|| format!("cannot open {}", dst.display()))?;
+    let was = make_private(&dst_root, dst)?;
     let top = Frame {
         src: src_root,
-        dst: dst_root
-            .sub(".")
-            .with_context(|| format!("cannot open {}", dst.display()))?,
+        dst: dst_top,
         meta,
         names: names.into_iter(),
         _lent: None,
@@ -201,6 +203,10 @@ pub fn copy_tree_at(
         for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
             let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
         }
+        // Its mode back and nothing made in it: the copy changed nothing (this needs no new
+        // descriptor, as one that ran out of them must not).
+        let top = (dir::fstat(&copy.dst_root).ok()).map(|st| st.st_mode & 0o7777);
+        *changed |= top != Some(was) || !copy.dst_root.names().is_ok_and(|n| n.is_empty());
         return Err(e);
     }
     drop(copy.dst_root);
@@ -776,7 +782,8 @@ mod tests {
             Dir::open_nofollow(&src).unwrap(),
             Dir::open_nofollow(&dst).unwrap(),
         );
-        let out = copy_tree_at(s, &src, t, &dst, &mut Bar::new(String::new(), false)).unwrap();
+        let bar = &mut Bar::new(String::new(), false);
+        let out = copy_tree_at(s, &src, t, &dst, bar, &mut false).unwrap();
         assert_eq!(out.files, 2);
 
         let a = fs::metadata(dst.join("bin/tool")).unwrap();

@@ -320,21 +320,28 @@ impl Dir {
             Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => e,
             other => return other,
         };
-        let Ok(top) = self.anchor_sub(name) else {
+        let Some(lent) = self.lend_owner(name, 0o200) else {
             return Err(refused);
         };
-        let mode = match top.stat() {
-            Ok(st) if st.uid == me() && st.mode & 0o200 == 0 => (st.mode & 0o7777) as libc::mode_t,
-            _ => return Err(refused),
-        };
-        if chmod_o_path(top.as_raw_fd(), mode | 0o200).is_err() {
-            return Err(refused);
-        }
         let moved = self.rename_to(name, to, to_name);
         if moved.is_err() {
-            let _ = chmod_o_path(top.as_raw_fd(), mode);
+            lent.give_back();
         }
         moved
+    }
+
+    /// Lends owner permission `bits` to the directory `name`, one of ours that lacks some of them
+    /// (an image's `/` of mode 555), through an `O_PATH|O_NOFOLLOW` descriptor (the owner may chmod
+    /// what it may not write); `None` if not ours or not lent.
+    pub fn lend_owner(&self, name: impl AsRef<OsStr>, bits: libc::mode_t) -> Option<Loan> {
+        let top = self.anchor_sub(name).ok()?;
+        let st = top.stat().ok()?;
+        let mode = (st.mode & 0o7777) as libc::mode_t;
+        if st.uid != me() || mode & bits == bits {
+            return None;
+        }
+        chmod_o_path(top.as_raw_fd(), mode | bits).ok()?;
+        Some(Loan { top, mode })
     }
 
     /// Renames `name` aside here as `NAME.WHY-TIME` (`-N` added while taken), never over an
@@ -541,7 +548,8 @@ impl Dir {
     ) -> io::Result<()> {
         let name = name.as_ref();
         let shown = || "the directory".to_owned();
-        let Some(top) = self.open_to_empty(name, None, removed, &|e| e, &shown)? else {
+        let in_dir = |e| explain_refusal(e, &[(self, None, DELETE_IN, "the directory holding it")]);
+        let Some(top) = self.open_to_empty(name, None, removed, &in_dir, &shown)? else {
             return Ok(());
         };
         // The walk checks for mounts below the top; one at the top itself is caught here.
@@ -617,6 +625,19 @@ impl Dir {
         // Only EACCES names a refuser; other failures (a sandbox forbidding faccessat2) do not.
         let refused = r == Err(Errno::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
+    }
+}
+
+/// Owner permission lent to a directory by [`Dir::lend_owner`]: its mode to give back.
+pub struct Loan {
+    top: Dir,
+    mode: libc::mode_t,
+}
+
+impl Loan {
+    /// Puts the directory's mode back as it was.
+    pub fn give_back(self) {
+        let _ = chmod_o_path(self.top.as_raw_fd(), self.mode);
     }
 }
 

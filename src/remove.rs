@@ -378,8 +378,40 @@ fn trash_there(trash: &Dir) -> bool {
 }
 
 /// Empties an image's directory in `images` (the images directory `images_dir`, opened) without
-/// following links in it (`exec --from` rebuilding from base).
-pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Result<()> {
+/// following links in it (`exec --from` rebuilding from base). `removed` counts what was deleted:
+/// a failure before anything went leaves the image as it was.
+pub fn empty_image_dir(
+    images: &Dir,
+    images_dir: &Path,
+    name: &ImageName,
+    removed: &mut u64,
+) -> Result<()> {
+    let shown = images_dir.join(name.encoded());
+    let shown = shown.display();
+    // A walk never crosses into another mount below its top; the top itself is asked here, before
+    // anything (its mode too) is changed.
+    let top = (images.sub(name.encoded())).with_context(|| format!("cannot open {shown}"))?;
+    if top
+        .is_mount_root()
+        .with_context(|| format!("cannot look at {shown}"))?
+    {
+        anyhow::bail!(
+            "cannot empty {shown}: it is a mount point; unmount it first (nothing is deleted across a mount)"
+        );
+    }
+    drop(top);
+    // A top its owner left without owner access (an image's `/` of mode 555) is lent it while
+    // emptied, as for a removal's move; its mode is given back whatever happens.
+    let lent = images.lend_owner(name.encoded(), 0o700);
+    let emptied = empty_top(images, images_dir, name, removed);
+    if let Some(lent) = lent {
+        lent.give_back();
+    }
+    emptied
+}
+
+/// [`empty_image_dir`], its top's mode as it is.
+fn empty_top(images: &Dir, images_dir: &Path, name: &ImageName, removed: &mut u64) -> Result<()> {
     let path = images_dir.join(name.encoded());
     let dir =
         (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
@@ -388,19 +420,10 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
     if let Some(what) = in_use_by_a_store(&dir) {
         anyhow::bail!("cannot empty {shown}: it is {what}; move it out first");
     }
-    // A walk never crosses into another mount below its top; the top itself is asked here.
-    if dir
-        .is_mount_root()
-        .with_context(|| format!("cannot look at {shown}"))?
-    {
-        anyhow::bail!(
-            "cannot empty {shown}: it is a mount point; unmount it first (nothing is deleted across a mount)"
-        );
-    }
     let names = dir.names();
     for entry in names.with_context(|| format!("cannot list {shown}"))? {
         crate::signals::check()?;
-        dir.remove_entry(&entry, &mut 0, &in_use_by_a_store)
+        dir.remove_entry(&entry, removed, &in_use_by_a_store)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }
     Ok(())

@@ -385,12 +385,14 @@ impl Session {
 
     /// Makes the written image `target` a copy of `base`, emptied first. Both ends are opened from
     /// one descriptor of the images directory: a link swapped in above them cannot move the copy.
+    /// On failure, `changed` says whether anything of `target`'s tree changed first.
     pub fn clone_into(
         &self,
         store: &Store,
         (images, s): (Dir, Dir),
         base: &ImageName,
         target: &ImageName,
+        changed: &mut bool,
     ) -> Result<()> {
         use std::io::IsTerminal;
         let images_dir = &self.images_dir;
@@ -405,7 +407,10 @@ impl Session {
                 src.display()
             );
         }
-        crate::remove::empty_image_dir(&images, images_dir, target).with_context(cannot)?;
+        let mut removed = 0;
+        let emptied = crate::remove::empty_image_dir(&images, images_dir, target, &mut removed);
+        *changed = removed > 0;
+        emptied.with_context(cannot)?;
         crate::debug::pause("clone-emptied");
         // The directory opened before is still the one at its path (the builder gets that path).
         let now = store
@@ -424,11 +429,12 @@ impl Session {
         let ctx = store.ctx();
         let show = std::io::stderr().is_terminal() && !ctx.quiet;
         let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-        make_ours(&images, target, &dst).with_context(cannot)?;
+        make_ours(&images, target, &dst, changed).with_context(cannot)?;
         let d = (images.sub(target.encoded()))
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
-        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar).with_context(cannot)?;
+        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar, changed);
+        let done = done.with_context(cannot)?;
         let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
         ctx.detail(&format!(
             "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
@@ -1111,17 +1117,18 @@ impl Drop for Session {
 }
 
 /// Replaces the emptied tree of `target` by one of ours if another user made it (a group store): a
-/// copy makes its top ours alone while it is made (`clone::copy_tree_at` checks it got one).
-fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result<()> {
+/// copy makes its top ours alone while it is made (`clone::copy_tree_at` checks it got one). Once
+/// the tree is taken away, the image `changed`.
+fn make_ours(images: &Dir, target: &ImageName, dst: &Path, changed: &mut bool) -> Result<()> {
     let me = nix::unistd::geteuid().as_raw();
     if let Ok(Some(st)) = images.stat_at(target.encoded())
         && st.is_dir()
         && st.uid != me
     {
-        images
-            .rmdir(target.encoded())
-            .and_then(|()| images.mkdir(target.encoded(), st.mode & 0o7777))
-            .with_context(|| format!("cannot make {} anew", dst.display()))?;
+        let cannot = || format!("cannot make {} anew", dst.display());
+        images.rmdir(target.encoded()).with_context(cannot)?;
+        *changed = true;
+        (images.mkdir(target.encoded(), st.mode & 0o7777)).with_context(cannot)?;
     }
     Ok(())
 }

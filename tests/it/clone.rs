@@ -623,6 +623,62 @@ fn a_base_tree_one_may_not_open_is_refused_before_the_copy() {
     assert_eq!(app.unwrap()["state"], "ready", "{}", show(&out));
 }
 
+/// An image whose top its owner left read-only (mode 555) is rebuilt from a
+/// base by that owner: emptied with owner write lent to its top, as `rm`
+/// moves it. Another user's such image cannot be emptied: the copy fails at
+/// its first deletion, naming the directory's owner, and the image is left
+/// as it was (ready, its tree and base), not incomplete for gc to delete.
+#[test]
+fn a_read_only_image_top_is_rebuilt_by_its_owner_and_left_as_it_was_by_others() {
+    if !root_or_skip("an image top another user owns") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "base", "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"");
+    for image in ["mine", "theirs"] {
+        let script = "cd \"$STOWAGE_IMAGE_DIR\" && echo OLD > content && chmod 555 .";
+        unprivileged_build(&env, image, script);
+    }
+    let theirs = env.images_dir().join("theirs");
+    for p in [theirs.join("content"), theirs.clone()] {
+        chown(&p, 0, 0);
+    }
+    let rebuild = |image: &str| {
+        unprivileged(
+            &env,
+            &["exec", "--write", image, "--from", "base", "--", "true"],
+        )
+    };
+    // The row of `image`, as the store's owner lists it.
+    let row = |image: &str| {
+        let out = unprivileged(&env, &["images", "--json"]);
+        let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let row = rows.as_array().unwrap().iter().find(|r| r["name"] == image);
+        row.cloned().unwrap_or_default()
+    };
+    let out = rebuild("mine");
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let mine = env.images_dir().join("mine");
+    assert_eq!(fs::read_to_string(mine.join("content")).unwrap(), "BASE\n");
+    assert_eq!(row("mine")["base"], "base");
+    let out = rebuild("theirs");
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("theirs/content") && err.contains("uid 0's"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert_eq!(fs::read_to_string(theirs.join("content")).unwrap(), "OLD\n");
+    let mode = fs::metadata(&theirs).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o555);
+    assert_eq!(row("theirs")["state"], "ready");
+    assert_eq!(row("theirs")["base"], serde_json::Value::Null);
+    let out = unprivileged(&env, &["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(row("theirs")["state"], "ready", "{}", show(&out));
+}
+
 /// Where a copy reads lengths from the data (a filesystem not known local:
 /// the hidden hook makes tmpfs look like NFS), files of every shape copy
 /// whole: empty, one byte, a sparse one ending in a hole.
