@@ -1522,3 +1522,53 @@ fn an_access_acl_that_keeps_the_group_out_is_found_and_taken_away() {
     ok_as(&env, OWNER, &[GID], &["exec", "--write", "b", "--", "true"]);
     assert!(stdout(&env.ok(["doctor"])).contains("ok  sharing"));
 }
+
+/// A member whose primary group is its own, not the store's, copies a base: the copy and all in it
+/// get the store's group (the base's), so another member writes into it, and removes a copy that
+/// failed half-way, as on the base.
+#[test]
+fn a_copy_by_a_member_of_another_primary_group_stays_the_stores() {
+    let Some(env) = owners_store() else { return };
+    let made = "mkdir -p \"$STOWAGE_IMAGE_DIR/pub/d\" && echo x > \"$STOWAGE_IMAGE_DIR/pub/f\"";
+    let build = ["exec", "--write", "base", "--", "sh", "-c", made];
+    let out = as_ids(&env, OWNER, &[GID], "002", &build);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let copy = ["exec", "--write", "copy", "--from", "base", "--", "true"];
+    let out = as_ids(&env, MEMBER, &[OWN_GID, GID], "002", &copy);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    for rel in ["", "pub", "pub/d", "pub/f"] {
+        let p = env.root.join("img/copy").join(rel);
+        assert_eq!(mode_and_group(&p).1, GID, "{}", p.display());
+    }
+    let write = "echo z > \"$STOWAGE_IMAGE_DIR/pub/g\" && mkdir \"$STOWAGE_IMAGE_DIR/pub/d/e\"";
+    let out = as_ids(
+        &env,
+        OWNER,
+        &[GID],
+        "002",
+        &["exec", "--write", "copy", "--", "sh", "-c", write],
+    );
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "the other member writes in the copy: {}",
+        show(&out)
+    );
+    // A copy that fails after `pub` and `pub/d` were made: the base's file it may not read.
+    let private = env.root.join("img/base/pub/d/priv");
+    fs::write(&private, "p").unwrap();
+    chown(&private, OWNER, GID);
+    fs::set_permissions(&private, fs::Permissions::from_mode(0o600)).unwrap();
+    let failed = ["exec", "--write", "new", "--from", "base", "--", "true"];
+    let out = as_ids(&env, MEMBER, &[OWN_GID, GID], "002", &failed);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    for args in [&["rm", "new"][..], &["gc"]] {
+        let out = as_ids(&env, OWNER, &[GID], "002", args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    let trash: Vec<_> = fs::read_dir(env.root.join("trash")).unwrap().collect();
+    assert!(
+        trash.is_empty() && !env.root.join("img/new").exists(),
+        "{trash:?}"
+    );
+}
