@@ -778,7 +778,7 @@ fn outside_images_dir(
         return;
     };
     let lacks = crate::dir::fstat(std::os::fd::AsFd::as_fd(images))
-        .map(|st| sharing::images_dir_lacks(&st, dir, gid))
+        .map(|st| sharing::images_dir_lacks(images, &st, gid))
         .with_context(|| format!("cannot inspect images directory {}", dir.display()));
     let (shown, label) = (dir.display(), sharing::group_label(gid));
     match lacks {

@@ -1572,3 +1572,22 @@ fn a_copy_by_a_member_of_another_primary_group_stays_the_stores() {
         "{trash:?}"
     );
 }
+
+/// A link a member put at `img` (to root's private directory) leads doctor's sharing check
+/// nowhere: it lists and reports no name outside the store.
+#[test]
+fn the_sharing_check_lists_nothing_through_a_link_at_a_layout_directory() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    env.make_image("app");
+    let (outside, _) = victim(&env, true);
+    fs::create_dir(outside.join("secret-dir")).unwrap();
+    let img = env.root.join("img");
+    fs::rename(&img, env.root.join("img.real")).unwrap();
+    std::os::unix::fs::symlink(&outside, &img).unwrap();
+    let out = env.run(["doctor"]);
+    let said = stdout(&out);
+    assert!(said.contains("img is a symlink"), "{}", show(&out));
+    assert!(!said.contains("secret"), "{}", show(&out));
+}
