@@ -306,6 +306,17 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
     ))
 }
 
+/// Why a user outside group `gid` may not use its group store, and what to do.
+pub fn not_a_member(gid: u32) -> String {
+    let (label, doc) = (
+        crate::ident::group_label(gid),
+        crate::error::GROUP_STORE_DOC,
+    );
+    format!(
+        "you are not in group {label}, whose store this is: ask its owner to add you to that group ({doc})"
+    )
+}
+
 /// The extended attribute holding an access ACL.
 pub const ACCESS_ACL: &std::ffi::CStr = c"system.posix_acl_access";
 

@@ -364,7 +364,8 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
 
 fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
     let (root, doc) = (dir.display(), crate::error::GROUP_STORE_DOC);
-    anyhow::anyhow!("cannot give root {root} group {gid}: you are not in that group (see {doc})")
+    let label = group_label(gid);
+    anyhow::anyhow!("cannot give root {root} group {label}: you are not in that group (see {doc})")
 }
 
 /// Makes the root at `dir` a group store for `gid`: its group, group-writable, setgid, not o+w.

@@ -274,7 +274,10 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
             };
             let advice = match crate::sharing::is_group_store(root.dir()) {
                 Some((gid, _)) if !crate::ident::in_group(gid) => {
-                    "you are not in the store's group: ask its owner to add you to it"
+                    let label = crate::sharing::group_label(gid);
+                    &format!(
+                        "you are not in the store's group {label}: ask its owner to add you to it"
+                    )
                 }
                 Some(_) => "its owner's 'stowage doctor --repair' makes it group-writable",
                 None => "the store's owner can share it: 'stowage init --group GROUP'",

@@ -245,7 +245,7 @@ fn a_user_outside_the_group_is_told_to_join_it() {
     assert_ne!(code(&out), Some(0), "{}", show(&out));
     let err = stderr(&out);
     assert!(
-        err.contains("not in group 100") && !err.contains("doctor --repair"),
+        err.contains("not in group ") && err.contains("100") && !err.contains("doctor --repair"),
         "{}",
         show(&out)
     );
@@ -1590,4 +1590,33 @@ fn the_sharing_check_lists_nothing_through_a_link_at_a_layout_directory() {
     let said = stdout(&out);
     assert!(said.contains("img is a symlink"), "{}", show(&out));
     assert!(!said.contains("secret"), "{}", show(&out));
+}
+
+/// A user outside the group of a group store its (non-root) owner made is told the group and to
+/// ask to join it, as for a store of root's.
+#[test]
+fn a_user_outside_the_group_of_a_members_store_is_told_to_join_it() {
+    let Some(env) = owners_store() else { return };
+    ok_as(&env, OWNER, &[GID], &["exec", "--write", "a", "--", "true"]);
+    let label = match fs::read_to_string("/etc/group")
+        .unwrap()
+        .lines()
+        .find(|l| l.split(':').nth(2) == Some("100"))
+    {
+        Some(l) => format!("'{}' (100)", l.split(':').next().unwrap()),
+        None => "100".to_owned(),
+    };
+    let out = as_ids(
+        &env,
+        OTHER,
+        &[GID2],
+        "022",
+        &["exec", "--read", "a", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    let want =
+        format!("you are not in group {label}, whose store this is: ask its owner to add you");
+    assert!(err.contains(&want), "{}", show(&out));
+    assert_eq!(err.lines().count(), 1, "{}", show(&out));
 }
