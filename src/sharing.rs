@@ -6,6 +6,7 @@
 //!   directories (not the trees inside: those are the builder's), the catalog's journal.
 //! - **No default ACL on its directories**: with one the kernel ignores the umask, and what a
 //!   member makes in it would not be group-writable; [`repair`] removes it, [`check`] reports it.
+//!   Nor an access ACL that gives the group, or a user it names, less than a part needs.
 //! - **Only what is ours is fixed** ([`repair`]), each on a descriptor opened without following a
 //!   link: a link planted in a part's place changes nothing outside the store. [`check`] lists and
 //!   reads the parts so too: it names nothing outside the store.
@@ -40,6 +41,9 @@ pub struct Wrong {
     pub default_acl: bool,
     /// What an access ACL lets the group do, where less than it needs (the mode shows its mask).
     pub acl_group: Option<u32>,
+    /// Users an access ACL names and gives less than a part needs (uid, what it gives): theirs
+    /// alone, whatever the group may do.
+    pub acl_users: Vec<(u32, u32)>,
 }
 
 impl Wrong {
@@ -55,7 +59,10 @@ impl Wrong {
         let access = (self.acl_group)
             .map(|p| format!(", ACL gives the group {}", crate::planted::rwx(p)))
             .unwrap_or_default();
-        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl}{access})")
+        let users: String = (self.acl_users.iter())
+            .map(|&(u, p)| format!(", ACL gives uid {u} only {}", crate::planted::rwx(p)))
+            .collect();
+        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl}{access}{users})")
     }
 }
 
@@ -137,8 +144,9 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
             let bits = if dir { DIR_BITS } else { FILE_BITS };
             let default_acl = dir && has_default_acl(&path);
             let acl_group = crate::planted::acl_short(&path, true, dir);
+            let acl_users = crate::planted::acl_short_users(&path, true, dir);
             let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
-            (!fine || acl_group.is_some()).then(|| Wrong {
+            (!fine || acl_group.is_some() || !acl_users.is_empty()).then(|| Wrong {
                 rel,
                 dir,
                 mode: m.mode(),
@@ -146,6 +154,7 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
                 gid: m.gid(),
                 default_acl,
                 acl_group,
+                acl_users,
             })
         })
         .collect()
@@ -302,6 +311,7 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
         }
     }
     // An access ACL shutting the group out goes: with none, the mode's group bits are the group's.
+    // One that only names users short of what they need loses those: they get the group's due.
     let proc = fd_path(fd);
     if crate::planted::acl_short(&proc, true, dir).is_some() {
         let proc = crate::error::cstr(proc.as_os_str())?;
@@ -309,6 +319,8 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
         crate::error::cvt(unsafe {
             libc::removexattr(proc.as_ptr(), crate::planted::ACCESS_ACL.as_ptr())
         })?;
+    } else if !crate::planted::acl_short_users(&proc, true, dir).is_empty() {
+        crate::planted::drop_short_users(&proc, dir)?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).

@@ -355,7 +355,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
         let parts = sharing::list(&done.fixed, 4);
-        report.add("sharing", Repaired, format!("gave group {label} and group write (directories: setgid, no default ACL) to {parts}"));
+        report.add("sharing", Repaired, format!("gave group {label} and group write (directories: setgid, no default ACL; no ACL entry giving a user less) to {parts}"));
     }
     if !done.not_ours.is_empty() {
         let parts = sharing::list(&done.not_ours, 4);

@@ -1620,3 +1620,62 @@ fn a_user_outside_the_group_of_a_members_store_is_told_to_join_it() {
     assert!(err.contains(&want), "{}", show(&out));
     assert_eq!(err.lines().count(), 1, "{}", show(&out));
 }
+
+/// An ACL entry naming a member with less than a part needs (a project directory's default ACL
+/// giving one user read access) keeps that member out whatever the group may do: init shares the
+/// store without it; one set on a part later is named to the member and by doctor, and taken out
+/// by a repair, the ACL's other entries kept.
+#[test]
+fn an_acl_entry_naming_a_member_is_found_and_taken_out() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    let acl = Command::new("setfacl")
+        .args(["-d", "-m", "u::rwx,g::rwx,o::rx,u:64002:rx"])
+        .arg(env.tmp.path())
+        .status();
+    if !acl.is_ok_and(|s| s.success()) {
+        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here)");
+        return;
+    }
+    owners_group_store(&env);
+    let write = ["exec", "--write", "b", "--", "true"];
+    ok_as(
+        &env,
+        MEMBER,
+        &[GID],
+        &["exec", "--write", "m", "--", "true"],
+    );
+    ok_as(&env, OWNER, &[GID], &write);
+    assert!(stdout(&env.ok(["doctor"])).contains("ok  sharing"));
+
+    // On the owner's lock file: a named entry for its owner would not count.
+    let lock = env.lock_file("b");
+    let set = Command::new("setfacl")
+        .args(["-m", "u:64002:r,u:64003:rw"])
+        .arg(&lock)
+        .status();
+    assert!(set.is_ok_and(|s| s.success()));
+    let out = as_ids(&env, MEMBER, &[GID], "022", &write);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "its ACL gives you (uid 64002) only r--";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "ACL gives uid 64002 only r--";
+    assert!(stdout(&out).contains(said), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
+    ok_as(&env, MEMBER, &[GID], &write);
+    assert!(stdout(&env.ok(["doctor"])).contains("ok  sharing"));
+    let kept = Command::new("getfacl")
+        .arg("-p")
+        .arg(&lock)
+        .output()
+        .unwrap();
+    let kept = String::from_utf8_lossy(&kept.stdout).into_owned();
+    assert!(
+        kept.contains("user:64003:rw-") && !kept.contains("user:64002"),
+        "{kept}"
+    );
+}
