@@ -6,9 +6,9 @@
 //! - Data: FICLONE where the filesystem can, else only data regions (SEEK_DATA, copy_file_range).
 //! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
-//!   image's empty directory, mode 700 until done. No inode is shared with the base.
+//!   image's empty directory, mode 700 (setgid kept) until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
-//!   rewrites the group bits), times.
+//!   rewrites the group bits), times. Owner refused: the group alone, where it is the caller's.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
@@ -234,7 +234,8 @@ fn worktree_link(top: &Dir) -> bool {
 
 /// Makes the copy's top ours alone while the copy is made; returns the mode it had. Attributes are
 /// set by name, so a group store's member could otherwise swap in a link between create and chmod:
-/// it must be ours and empty (a name made before may be held open by its maker).
+/// it must be ours and empty (a name made before may be held open by its maker). Its setgid stays:
+/// in a group store what is made below gets the store's group, not the copier's primary group.
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let dst = dst.display();
     let st = dir::fstat(top).with_context(|| format!("cannot read {dst}"))?;
@@ -244,7 +245,7 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
             "{dst} belongs to uid {uid}, not to you: refusing to copy into it (its owner could change names in the copy)"
         );
     }
-    fchmod(top, Mode::from_bits_retain(0o700))
+    fchmod(top, Mode::from_bits_retain(0o700 | (was & libc::S_ISGID)))
         .map_err(io::Error::from)
         .with_context(|| format!("cannot make {dst} private while copying"))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
@@ -622,15 +623,19 @@ fn set_attrs(
     at: &dyn Fn() -> String,
 ) -> io::Result<()> {
     let (uid, gid) = (Uid::from_raw(meta.st_uid), Gid::from_raw(meta.st_gid));
-    let r = match &dst {
-        Target::Fd(fd) => fchown(fd, Some(uid), Some(gid)),
-        Target::At(d, n) => fchownat(d, *n, Some(uid), Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW),
+    let chown = |uid| match &dst {
+        Target::Fd(fd) => fchown(fd, uid, Some(gid)),
+        Target::At(d, n) => fchownat(d, *n, uid, Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW),
     };
-    // An unprivileged user cannot give files away: keep our own.
-    if let Err(e) = r
-        && e != Errno::EPERM
-    {
-        return Err(e.into());
+    // An unprivileged user cannot give files away, but may give them a group of theirs: a group
+    // store's base keeps its group, which its other members need to write and remove the copy.
+    // Refused that too, the group stays the one it was made with (the setgid top's).
+    match chown(Some(uid)).or_else(|e| match e {
+        Errno::EPERM => chown(None),
+        e => Err(e),
+    }) {
+        Ok(()) | Err(Errno::EPERM) => {}
+        Err(e) => return Err(e.into()),
     }
     if dir::file_type(meta) != libc::S_IFLNK {
         // After chown, which clears setuid/setgid bits.

@@ -955,6 +955,10 @@ impl Root {
         // repairs only it can make. Another user's private store stays theirs, root's too.
         let group_writable = mode & 0o020 != 0;
         let shared = group_writable && (crate::ident::in_group(gid) || euid == 0);
+        if uid != euid && uid != 0 && group_writable && !shared {
+            let why = crate::planted::not_a_member(gid);
+            anyhow::bail!("root {root} belongs to uid {uid}: {why}");
+        }
         if uid != euid && uid != 0 && !shared {
             anyhow::bail!(
                 "root {root} belongs to uid {uid} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)"

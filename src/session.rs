@@ -435,38 +435,7 @@ impl Session {
             .with_context(cannot)?;
         let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar, changed);
         let done = done.with_context(cannot)?;
-        let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
-        ctx.detail(&format!(
-            "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
-            crate::disk_usage::human(done.bytes),
-            done.reflinked,
-            t0.elapsed().as_secs_f64()
-        ));
-        for m in &done.mounts_left_out {
-            ctx.say(&format!(
-                "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
-            ));
-        }
-        if done.worktree_link_left_out {
-            ctx.detail(&format!(
-                "image '{target}': /.git of '{base}' not copied: it links '{base}' to a git worktree (a build cache's), which a copy must not claim"
-            ));
-        }
-        if done.skipped_special > 0 {
-            ctx.say(&format!(
-                "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
-                done.skipped_special
-            ));
-        }
-        if let Some(lost) = done.xattrs_summary() {
-            ctx.say(&format!(
-                "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
-                if ctx.verbose { "" } else { " (-v lists the files)" }
-            ));
-            for d in &done.xattr_details {
-                ctx.detail(&format!("  not kept: {d}"));
-            }
-        }
+        say_copied(ctx, (base, target), &done, t0);
         Ok(())
     }
 
@@ -1131,4 +1100,45 @@ fn make_ours(images: &Dir, target: &ImageName, dst: &Path, changed: &mut bool) -
         (images.mkdir(target.encoded(), st.mode & 0o7777)).with_context(cannot)?;
     }
     Ok(())
+}
+
+/// What a copy of `base` to `target` (done since `t0`) did and left out, said.
+fn say_copied(
+    ctx: &crate::ctx::Ctx,
+    (base, target): (&ImageName, &ImageName),
+    done: &crate::clone::Copied,
+    t0: Instant,
+) {
+    let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
+    ctx.detail(&format!(
+        "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
+        crate::disk_usage::human(done.bytes),
+        done.reflinked,
+        t0.elapsed().as_secs_f64()
+    ));
+    for m in &done.mounts_left_out {
+        ctx.say(&format!(
+        "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+        ));
+    }
+    if done.worktree_link_left_out {
+        ctx.detail(&format!(
+        "image '{target}': /.git of '{base}' not copied: it links '{base}' to a git worktree (a build cache's), which a copy must not claim"
+        ));
+    }
+    if done.skipped_special > 0 {
+        ctx.say(&format!(
+        "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
+        done.skipped_special
+        ));
+    }
+    if let Some(lost) = done.xattrs_summary() {
+        ctx.say(&format!(
+        "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+        if ctx.verbose { "" } else { " (-v lists the files)" }
+        ));
+        for d in &done.xattr_details {
+            ctx.detail(&format!("  not kept: {d}"));
+        }
+    }
 }
