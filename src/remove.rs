@@ -324,8 +324,12 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
 fn trash_entry_name(root: &Root, enc: &str) -> String {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let (now, seq) = (clock::now_ms(), SEQ.fetch_add(1, Ordering::Relaxed));
-    // Names are ASCII; 80 of them keep the whole within NAME_MAX beside a lease's name.
-    let short = &enc[..enc.len().min(80)];
+    // 80 bytes keep the whole within NAME_MAX beside a lease's name; cut where a character ends (a
+    // leftover planted in the trash, taken over, may name anything).
+    let cut = (0..=enc.len().min(80))
+        .rev()
+        .find(|&i| enc.is_char_boundary(i));
+    let short = &enc[..cut.unwrap_or(0)];
     match crate::lease::introduce(&root.leases()) {
         Ok(lease) => format!("{lease}{OWNER_END}{now}.{seq}.{short}"),
         Err(_) => format!("{now}.{:016x}.{seq}.{short}", crate::ident::nonce()),

@@ -677,6 +677,28 @@ fn gc_finishes_an_interrupted_removal() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
 
+/// Leftovers in the trash named in any bytes (another member of a group store may put one there)
+/// are deleted by gc and `doctor --repair`: a name cut at a byte inside a character made both panic
+/// (exit 101) before anything was removed, every run after too.
+#[test]
+fn trash_leftovers_with_names_in_any_bytes_are_deleted() {
+    use std::os::unix::ffi::OsStrExt;
+    let env = Env::new();
+    env.make_image("a");
+    let trash = env.root.join("trash");
+    fs::create_dir_all(&trash).unwrap();
+    let accented = "a\u{e9}".repeat(40);
+    let names: [&[u8]; 3] = [accented.as_bytes(), b"b\xff", &[0xff; 200]];
+    for args in [["gc"].as_slice(), ["doctor", "--repair"].as_slice()] {
+        for name in names {
+            fs::create_dir(trash.join(std::ffi::OsStr::from_bytes(name))).unwrap();
+        }
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert_eq!(fs::read_dir(&trash).unwrap().count(), 0, "{args:?}");
+    }
+}
+
 /// A tree left in the trash (a file in it immutable) is named, each gc, by the path it has then,
 /// and keeps its image's name however often gc takes it over: the line named the entry's name
 /// before gc renamed it, and each takeover put a new stamp before the old one, cutting the image's
