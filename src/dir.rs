@@ -538,8 +538,9 @@ impl Dir {
     }
 
     /// Deletes the entry `name` whatever it is: a tree is emptied and removed (see the module doc),
-    /// anything else unlinked. A missing entry is not an error. `removed` counts what was deleted,
-    /// so a caller can tell a failure before anything went from one half-way.
+    /// anything else unlinked. A missing entry is not an error. `removed` counts what was deleted or
+    /// lent owner access (a change too), so a caller can tell a failure before anything changed from
+    /// one half-way.
     pub fn remove_entry(
         &self,
         name: impl AsRef<OsStr>,
@@ -597,6 +598,7 @@ impl Dir {
                 let path = self.anchor_sub(name)?;
                 let st = path.stat()?;
                 chmod_o_path(path.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _).map_err(|_| e)?;
+                *removed += 1;
                 self.sub(name)
             })(),
             other => other,
@@ -680,7 +682,7 @@ fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
     let st = top.stat()?;
     let mount = top.mount_id()?;
     let shown = || "the directory".to_owned();
-    let mut stack = vec![Level::enter(top, &st, &shown, keep)?];
+    let mut stack = vec![Level::enter(top, &st, &shown, keep, removed)?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
@@ -707,7 +709,13 @@ fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
 impl Level {
     /// The directory `dir` (its stat `st`; `shown` names it), made writable and listed: a level to
     /// empty, its name in its parent still to be set.
-    fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String, keep: Keep) -> io::Result<Level> {
+    fn enter(
+        dir: Dir,
+        st: &Entry,
+        shown: &dyn Fn() -> String,
+        keep: Keep,
+        removed: &mut u64,
+    ) -> io::Result<Level> {
         if let Some(why) = keep(&dir) {
             let shown = shown();
             return Err(io::Error::other(format!(
@@ -715,11 +723,10 @@ impl Level {
             )));
         }
         // A read-only directory inside an image gets owner access; a failure shows in the unlinks.
+        // A change to the tree as much as an unlink: counted.
         if st.mode & 0o700 != 0o700 {
-            let _ = stat::fchmod(
-                &dir,
-                stat::Mode::from_bits_retain((st.mode & 0o7777) | 0o700),
-            );
+            let mode = stat::Mode::from_bits_retain((st.mode & 0o7777) | 0o700);
+            *removed += u64::from(stat::fchmod(&dir, mode).is_ok());
         }
         let pending = dir
             .names()
@@ -883,7 +890,7 @@ fn remove_or_open(
     if sst.dev != dev || (mount.is_some() && sub.mount_id()? != mount) {
         return Err(mount_point(&name));
     }
-    let mut level = Level::enter(sub, &sst, &there, keep)?;
+    let mut level = Level::enter(sub, &sst, &there, keep, removed)?;
     level.name = name;
     Ok(Some(level))
 }

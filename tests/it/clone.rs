@@ -967,3 +967,35 @@ fn a_copy_leaves_out_only_the_bases_worktree_link() {
     env.ok(["exec", "--write", "repo2", "--from", "repo", "--", "true"]);
     assert!(env.root.join("img/repo2/.git").is_dir());
 }
+
+/// A rebuild from a base that fails in the image's tree after giving a read-only directory there
+/// owner access (to empty it) has changed the tree: the image is not left `ready` with its modes
+/// changed. It was, counted as a start that changed nothing (only deletions were counted).
+#[test]
+fn a_rebuild_that_lent_a_directory_owner_access_has_changed_the_image() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let script = "cd \"$STOWAGE_IMAGE_DIR\" && mkdir -p proc/sys && echo 1 > proc/sys/imm \
+                  && chmod 555 proc/sys proc";
+    env.build("x", script);
+    let imm = env.root.join("img/x/proc/sys/imm");
+    if !immutable(&imm, true) {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let out = env.run(["exec", "--write", "x", "--from", "base", "--", "true"]);
+    assert!(immutable(&imm, false));
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let mode = |p: &str| fs::metadata(env.root.join(p)).unwrap().permissions().mode() & 0o7777;
+    let state = env.state("x");
+    let modes = (mode("img/x/proc"), mode("img/x/proc/sys"));
+    assert!(
+        state.as_deref() != Some("ready") || modes == (0o555, 0o555),
+        "{state:?} with modes {:o} {:o}",
+        modes.0,
+        modes.1
+    );
+}
