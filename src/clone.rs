@@ -4,7 +4,9 @@
 //!   times, hard links, holes, every extended attribute the target accepts. What cannot be kept is
 //!   counted and reported, never silently dropped.
 //! - Data: FICLONE where the filesystem can, else only data regions (SEEK_DATA, copy_file_range).
-//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links.
+//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links. It
+//!   holds a bounded number of descriptors at any depth: levels far above the one being copied are
+//!   closed and reopened through `..` ([`dir::OPEN_LEVELS`]).
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
 //!   image's empty directory, mode 700 until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
@@ -78,6 +80,42 @@ struct Frame {
     names: std::vec::IntoIter<CString>,
     /// The source directory's own mode, while it lends us access.
     _lent: Option<Lent>,
+}
+
+/// A [`Frame`] far above the directory being copied, its two directories closed and known by
+/// device and inode, to be reopened through `..` on the way back.
+struct Far {
+    src: (u64, u64),
+    dst: (u64, u64),
+    meta: libc::stat,
+    names: std::vec::IntoIter<CString>,
+    _lent: Option<Lent>,
+}
+
+impl Frame {
+    fn close(self) -> io::Result<Far> {
+        let (s, d) = (dir::fstat(&self.src)?, dir::fstat(&self.dst)?);
+        Ok(Far {
+            src: (s.st_dev, s.st_ino),
+            dst: (d.st_dev, d.st_ino),
+            meta: self.meta,
+            names: self.names,
+            _lent: self._lent,
+        })
+    }
+}
+
+impl Far {
+    /// Reopened from its subdirectory's frame `below`: each `..` must be the directory left.
+    fn reopen(self, below: &Frame) -> io::Result<Frame> {
+        Ok(Frame {
+            src: below.src.parent_checked(self.src, "copied")?,
+            dst: below.dst.parent_checked(self.dst, "copied")?,
+            meta: self.meta,
+            names: self.names,
+            _lent: self._lent,
+        })
+    }
 }
 
 /// Access to a base file or directory that is ours but its mode keeps from us (a mode-000
@@ -185,6 +223,7 @@ pub fn copy_tree_at(
         dev: meta.st_dev,
         mount,
         trail: Trail::default(),
+        far: Vec::new(),
         links: HashMap::new(),
         reflink_works: true,
         // Where a client may answer from stale attributes (not a local filesystem).
@@ -197,10 +236,7 @@ pub fn copy_tree_at(
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
-        // The directories made 700 get their mode back, so a group store's member can remove them.
-        for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
-            let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
-        }
+        copy.give_back(&stack, Mode::from_bits_retain(was));
         return Err(e);
     }
     drop(copy.dst_root);
@@ -262,6 +298,8 @@ struct TreeCopy<'a> {
     mount: Option<u64>,
     /// The names from the tops down to the directory being copied.
     trail: Trail,
+    /// The levels above the deepest [`dir::OPEN_LEVELS`], closed; the top first.
+    far: Vec<Far>,
     /// First copy of each hard-linked inode, as names from `dst`.
     links: HashMap<(u64, u64), Vec<CString>>,
     reflink_works: bool,
@@ -278,6 +316,12 @@ impl TreeCopy<'_> {
             let Some(name) = top.names.next() else {
                 // A directory gets its mode and times after its contents (read-only ones, mtimes).
                 let done = stack.pop().expect("not empty");
+                if stack.is_empty()
+                    && let Some(far) = self.far.pop()
+                {
+                    let up = far.reopen(&done);
+                    stack.push(up.with_context(|| self.cannot_climb())?);
+                }
                 self.trail.0.pop();
                 let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
                 self.attrs(dst, src, None, &done.meta)?;
@@ -286,6 +330,10 @@ impl TreeCopy<'_> {
             crate::signals::check()?;
             if let Some(sub) = self.copy_entry(top, name)? {
                 stack.push(sub);
+                if stack.len() > dir::OPEN_LEVELS {
+                    let far = stack.remove(0).close();
+                    self.far.push(far.with_context(|| self.cannot_climb())?);
+                }
             }
         }
         Ok(())
@@ -340,6 +388,21 @@ impl TreeCopy<'_> {
             names: names.into_iter(),
             _lent: lent,
         })
+    }
+
+    /// After a failure: the copy's directories made 700 and not done get `mode`, the top's, back, so
+    /// a group store's member can remove them; the far ones are reopened through `..`.
+    fn give_back(&self, stack: &[Frame], mode: Mode) {
+        for d in stack.iter().map(|f| &f.dst).chain([&self.dst_root]) {
+            let _ = fchmod(d, mode);
+        }
+        let mut up = stack.first().and_then(|f| f.dst.duplicate().ok());
+        for far in self.far.iter().rev() {
+            up = up.and_then(|d| d.parent_checked(far.dst, "copied").ok());
+            if let Some(d) = &up {
+                let _ = fchmod(d, mode);
+            }
+        }
     }
 
     /// For an inode with several names: a later name becomes a link to the first one's copy (true).
@@ -435,6 +498,12 @@ impl TreeCopy<'_> {
             Some(n) => self.cannot_copy(n),
             None => format!("cannot set attributes of {}", at()),
         })
+    }
+
+    /// The message of a failure to reopen a directory above the current one, or to close one.
+    fn cannot_climb(&self) -> String {
+        let at = self.trail.show(self.src, None);
+        format!("cannot go back up from {at}")
     }
 
     /// The message of a failure to copy `name` of the current directory.

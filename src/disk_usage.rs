@@ -9,10 +9,11 @@
 //!   own (FIEMAP names no other owner); an inode named outside the store is never freed.
 //! - Extent maps are read after the file's dirty data is written back (`FIEMAP_FLAG_SYNC`):
 //!   before, btrfs maps a rewritten range to the old extent it shared.
-//! - The walk goes by directory descriptor ([`crate::dir`]).
+//! - The walk goes by directory descriptor ([`crate::dir`]), with at most
+//!   [`dir::OPEN_LEVELS`] open at any depth.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{CStr, OsStr};
+use std::ffi::{CStr, CString, OsStr};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
@@ -156,14 +157,14 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     visit(&top, c".", &st)?;
     let names = top.entries().map_err(at_top)?;
     let mut trail = Trail::default();
-    let mut stack = vec![(top, names.into_iter())];
+    let mut stack = vec![(Some(top), (st.st_dev, st.st_ino), names.into_iter())];
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
     let mut whole = true;
-    while let Some((d, names)) = stack.last_mut() {
+    while let Some((d, _, names)) = stack.last_mut() {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
+        let d = d.as_ref().expect("the deepest levels are open");
         let Some(name) = names.next() else {
-            stack.pop();
-            trail.0.pop();
+            climb(&mut stack, &mut trail).map_err(at_top)?;
             continue;
         };
         let bounded = |e: io::Error, trail: &Trail, name: &CStr| {
@@ -175,8 +176,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
             // A directory we may list but not search (mode 600): its inside is not seen.
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
                 whole = false;
-                stack.pop();
-                trail.0.pop();
+                climb(&mut stack, &mut trail).map_err(at_top)?;
                 continue;
             }
             Err(e) => return Err(bounded(e, &trail, &name)),
@@ -215,10 +215,27 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
                 Err(e) => return Err(bounded(e, &trail, &name)),
             };
             trail.0.push(name);
-            stack.push((sub, names.into_iter()));
+            stack.push((Some(sub), (st.st_dev, st.st_ino), names.into_iter()));
+            if let Some(i) = stack.len().checked_sub(dir::OPEN_LEVELS + 1) {
+                stack[i].0 = None;
+            }
         }
     }
     Ok(whole)
+}
+
+/// A level of [`walk`]: its directory (closed far above the deepest), its identity, its names left.
+type Level = (Option<Dir>, (u64, u64), std::vec::IntoIter<CString>);
+
+/// Leaves the deepest level of a walk for the one above, reopened through `..` if it was closed.
+fn climb(stack: &mut Vec<Level>, trail: &mut Trail) -> io::Result<()> {
+    let (done, ..) = stack.pop().expect("not empty");
+    trail.0.pop();
+    if let Some((up @ None, id, _)) = stack.last_mut() {
+        let done = done.expect("the deepest level is open");
+        *up = Some(done.parent_checked(*id, "measured")?);
+    }
+    Ok(())
 }
 
 // The FIEMAP ioctl (linux/fiemap.h).
