@@ -7,6 +7,9 @@
 //! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links. It
 //!   holds a bounded number of descriptors at any depth: levels far above the one being copied are
 //!   closed and reopened through `..` ([`dir::OPEN_LEVELS`]).
+//! - Memory is bounded by the tree's width and names, not by hard links × depth: a linked inode's
+//!   first copy is kept as its directory's line in a tree of directories that leads to one, and a
+//!   later name is linked by a route up through `..` and down from the nearest common directory.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
 //!   image's empty directory, mode 700 until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
@@ -224,6 +227,9 @@ pub fn copy_tree_at(
         mount,
         trail: Trail::default(),
         far: Vec::new(),
+        dirs: vec![(0, CString::default())],
+        here: vec![0],
+        kept: 1,
         links: HashMap::new(),
         reflink_works: true,
         // Where a client may answer from stale attributes (not a local filesystem).
@@ -291,7 +297,7 @@ struct TreeCopy<'a> {
     /// The two tops, as messages name them.
     src: &'a Path,
     dst: &'a Path,
-    /// The top of the copy, where hard links find their first copies.
+    /// The top of the copy.
     dst_root: Dir,
     /// The base's filesystem and mount: a directory on another is a mount point.
     dev: u64,
@@ -300,8 +306,15 @@ struct TreeCopy<'a> {
     trail: Trail,
     /// The levels above the deepest [`dir::OPEN_LEVELS`], closed; the top first.
     far: Vec<Far>,
-    /// First copy of each hard-linked inode, as names from `dst`.
-    links: HashMap<(u64, u64), Vec<CString>>,
+    /// Directories of the copy, each as its parent's line here and its name (the top is line 0):
+    /// those on the way to the directory being copied, and below `kept`, those on the way to a
+    /// first copy of a hard-linked inode. A parent's line comes before its subdirectories'.
+    dirs: Vec<(usize, CString)>,
+    /// The lines of the directory being copied and of those above it, the top first.
+    here: Vec<usize>,
+    kept: usize,
+    /// First copy of each hard-linked inode: its directory's line in `dirs`, and its name.
+    links: HashMap<(u64, u64), (usize, CString)>,
     reflink_works: bool,
     /// Files' lengths are read from their data too ([`length_read`]).
     shared: bool,
@@ -322,7 +335,7 @@ impl TreeCopy<'_> {
                     let up = far.reopen(&done);
                     stack.push(up.with_context(|| self.cannot_climb())?);
                 }
-                self.trail.0.pop();
+                self.leave();
                 let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
                 self.attrs(dst, src, None, &done.meta)?;
                 continue;
@@ -380,6 +393,9 @@ impl TreeCopy<'_> {
             let mount = self.trail.show(self.src, Some(&name));
             self.out.mounts_left_out.push(mount);
         }
+        let parent = *self.here.last().expect("the top is there");
+        self.dirs.push((parent, name.clone()));
+        self.here.push(self.dirs.len() - 1);
         self.trail.0.push(name);
         Ok(Frame {
             src: s,
@@ -405,18 +421,50 @@ impl TreeCopy<'_> {
         }
     }
 
+    /// Leaves the directory being copied for the one above; its line in `dirs` goes unless it
+    /// leads to a first copy.
+    fn leave(&mut self) {
+        self.trail.0.pop();
+        if let Some(line) = self.here.pop()
+            && line >= self.kept
+        {
+            // What came after it is below it, left already.
+            self.dirs.truncate(line);
+        }
+    }
+
     /// For an inode with several names: a later name becomes a link to the first one's copy (true).
     fn linked_to_copy(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<bool> {
         let key = (meta.st_dev, meta.st_ino);
-        if let Some(first) = self.links.get(&key) {
-            link_to(&self.dst_root, first, &top.dst, name)
-                .with_context(|| self.cannot_copy(name))?;
+        if let Some((line, first)) = self.links.get(&key) {
+            let route = self.route(*line, first);
+            link_to(&top.dst, &route, &top.dst, name).with_context(|| self.cannot_copy(name))?;
             return Ok(true);
         }
-        let mut names = self.trail.0.clone();
-        names.push(name.to_owned());
-        self.links.insert(key, names);
+        // This directory and those above it are kept: the way to this first copy.
+        self.kept = self.dirs.len();
+        let line = *self.here.last().expect("the top is there");
+        self.links.insert(key, (line, name.to_owned()));
         Ok(false)
+    }
+
+    /// The names from the directory being copied to `name` in the directory at `line`: up through
+    /// `..` to the nearest directory above both, then down.
+    fn route(&self, mut line: usize, name: &CStr) -> Vec<CString> {
+        let mut down = vec![name.to_owned()];
+        // `here` is in ascending order: a parent's line comes before its subdirectories'.
+        let above = loop {
+            match self.here.binary_search(&line) {
+                Ok(i) => break i,
+                Err(_) => {
+                    down.push(self.dirs[line].1.clone());
+                    line = self.dirs[line].0;
+                }
+            }
+        };
+        let mut route = vec![c"..".to_owned(); self.here.len() - 1 - above];
+        route.extend(down.into_iter().rev());
+        route
     }
 
     fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
@@ -656,15 +704,16 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     Ok(pos)
 }
 
-/// A second name for the copy of a hard-linked inode, its first copy found from the copy's top.
-fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
+/// A second name for the copy of a hard-linked inode, its first copy found by the names `first`
+/// (a route from `start`, `..` included).
+fn link_to(start: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
     for p in parents {
-        let here = owned.as_ref().unwrap_or(dst_root);
+        let here = owned.as_ref().unwrap_or(start);
         owned = Some(here.sub(OsStr::from_bytes(p.to_bytes()))?);
     }
-    let parent = owned.as_ref().unwrap_or(dst_root);
+    let parent = owned.as_ref().unwrap_or(start);
     // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
     let nofollow = AtFlags::empty();
     Ok(linkat(parent, last.as_c_str(), dir, name, nofollow)?)

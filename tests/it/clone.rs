@@ -966,3 +966,85 @@ fn a_deep_base_is_copied_and_measured_with_few_open_files() {
     let out = limited(&["rm", "copy"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
+
+/// Makes `dirs` nested directories of 250-byte names under `top` (by
+/// descriptor: deeper than PATH_MAX) and, at the bottom, `files` files with
+/// two names each (`fJ`, `gJ`). Three inodes also have names far apart:
+/// `f0` as `top-f0` at the top, `f1` as `side/f1`, `a-top` at both ends.
+fn deep_links(top: &Path, dirs: usize, files: usize) {
+    use std::ffi::{CStr, CString};
+    let name = CString::new("h".repeat(250)).unwrap();
+    let top_c = CString::new(top.as_os_str().as_encoded_bytes()).unwrap();
+    unsafe {
+        let topfd = libc::open(top_c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+        assert!(topfd >= 0);
+        let made = libc::openat(
+            topfd,
+            c"a-top".as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT,
+            0o644,
+        );
+        assert!(made >= 0);
+        libc::close(made);
+        assert_eq!(libc::mkdirat(topfd, c"side".as_ptr(), 0o755), 0);
+        let mut fd = libc::dup(topfd);
+        for _ in 0..dirs {
+            assert_eq!(libc::mkdirat(fd, name.as_ptr(), 0o755), 0);
+            let next = libc::openat(fd, name.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+            assert!(next >= 0);
+            libc::close(fd);
+            fd = next;
+        }
+        for j in 0..files {
+            let f = CString::new(format!("f{j}")).unwrap();
+            let g = CString::new(format!("g{j}")).unwrap();
+            let made = libc::openat(fd, f.as_ptr(), libc::O_WRONLY | libc::O_CREAT, 0o644);
+            assert!(made >= 0);
+            libc::close(made);
+            assert_eq!(libc::linkat(fd, f.as_ptr(), fd, g.as_ptr(), 0), 0);
+        }
+        let link = |from: i32, a: &CStr, to: i32, b: &CStr| {
+            assert_eq!(libc::linkat(from, a.as_ptr(), to, b.as_ptr(), 0), 0);
+        };
+        link(fd, c"f0", topfd, c"top-f0");
+        link(fd, c"f1", topfd, c"side/f1");
+        link(topfd, c"a-top", fd, c"a-top");
+        libc::close(fd);
+        libc::close(topfd);
+    }
+}
+
+/// The memory a copy takes for hard links does not grow with their depth:
+/// before, each linked inode kept the whole path of its first name (1500
+/// files 200 levels of 250-byte names deep took ~85 MB more). Links across
+/// directories, up and down the tree, stay links.
+#[test]
+fn hard_links_deep_in_a_base_cost_no_memory_per_level() {
+    let env = Env::new();
+    env.make_image("base");
+    deep_links(&env.root.join("img/base"), 200, 1500);
+    let c = env.cmd(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    let (out, peak_kib) = output_and_peak(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    eprintln!("peak {peak_kib} KiB");
+    assert!(
+        peak_kib < 40 << 10,
+        "the copy took {peak_kib} KiB at its peak"
+    );
+    // Paths this deep are past PATH_MAX: find(1) names each name's inode.
+    let found = sh(&format!(
+        "cd '{}' && find . \\( -name 'f[017]' -o -name 'g7' -o -name top-f0 -o -name a-top \\) -printf '%f %i\\n' | sort",
+        env.root.join("img/copy").display()
+    ));
+    let found = String::from_utf8_lossy(&found.stdout).into_owned();
+    let ino = |n: &str| -> Vec<&str> {
+        let lines = found.lines().filter(|l| l.split(' ').next() == Some(n));
+        lines.map(|l| l.split(' ').nth(1).unwrap()).collect()
+    };
+    let a = ino("a-top");
+    assert!(a.len() == 2 && a[0] == a[1], "{found}");
+    assert_eq!(ino("f0"), ino("top-f0"), "{found}");
+    assert_eq!(ino("f7"), ino("g7"), "{found}");
+    let f1 = ino("f1");
+    assert!(f1.len() == 2 && f1[0] == f1[1], "{found}");
+}
