@@ -10,6 +10,7 @@
 //! - Memory is bounded by the tree's width and names, not by hard links × depth: a linked inode's
 //!   first copy is kept as its directory's line in a tree of directories that leads to one, and a
 //!   later name is linked by a route up through `..` and down from the nearest common directory.
+//! - A large file is copied in chunks, a termination signal looked for between them.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
 //!   image's empty directory, mode 700 until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
@@ -647,11 +648,21 @@ fn read_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<usize> {
     }
 }
 
+/// How much of a file's data is copied between two looks for a termination signal: a copy stops
+/// within one chunk, not once a file of many GiB is done, while it holds its locks.
+const CHUNK: u64 = 64 << 20;
+
+/// A termination signal, as the error of a data copy's step ([`crate::exec`] exits 128+N on it).
+fn stop_if_signalled() -> io::Result<()> {
+    crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))
+}
+
 /// Copies `len` bytes at `off` from `src` to the same offset of `dst` (in the kernel if it can).
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     let (end, mut pos) = (off + len, off);
     while pos < end {
-        let want = (end - pos).min(1 << 30) as usize;
+        stop_if_signalled()?;
+        let want = (end - pos).min(CHUNK) as usize;
         let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
         // The system call itself: std declares libc's symbol weak, and a static LTO build may then
         // call address 0.
@@ -670,7 +681,10 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
         match copied {
             // The source ended before the range did (it shrank under us).
             Ok(0) => return Ok(()),
-            Ok(n) => pos += n as u64,
+            Ok(n) => {
+                pos += n as u64;
+                crate::debug::pause("clone-data");
+            }
             Err(e)
                 if matches!(
                     e.raw_os_error(),
@@ -693,6 +707,8 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     use std::os::unix::fs::FileExt as _;
     let mut buf = vec![0u8; 1 << 20];
     while pos < end {
+        // Looks are cheap (at most one every few milliseconds asks the kernel).
+        stop_if_signalled()?;
         let chunk = (end - pos).min(buf.len() as u64) as usize;
         let n = match read_at(src, &mut buf[..chunk], pos)? {
             0 => return Ok(pos),

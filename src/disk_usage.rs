@@ -105,7 +105,7 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         out.allocated += blocks;
         let mut shared = 0;
         if extents && ft == libc::S_IFREG && blocks > 0 {
-            shared = shared_extents(parent, name, &mut ranges).min(blocks);
+            shared = shared_extents(parent, name, &mut ranges)?.min(blocks);
             out.shared += shared;
         }
         // An inode with several names is a unit another image may name too; what of it is in
@@ -271,11 +271,12 @@ struct Fiemap {
 }
 
 /// Bytes of `name`'s extents flagged shared (0 if it cannot be mapped); ranges go to `ranges`.
-fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
+/// Only a termination signal fails it: a file of a million extents takes thousands of calls.
+fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> io::Result<u64> {
     let flags =
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY;
     let Ok(file) = parent.open_at(name, flags, 0) else {
-        return 0;
+        return Ok(0);
     };
     let mut map: Box<Fiemap> = Box::new(Fiemap {
         start: 0,
@@ -291,13 +292,14 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
     let mut shared = 0u64;
     let fd = file.as_raw_fd();
     loop {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         // SAFETY: `map` is a fiemap header followed by room for extent_count extents, as required.
         if unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut *map as *mut Fiemap) } != 0 {
-            return shared;
+            return Ok(shared);
         }
         let n = (map.mapped_extents as usize).min(EXTENTS_PER_CALL);
         if n == 0 {
-            return shared;
+            return Ok(shared);
         }
         let mut last = false;
         for e in &map.extents[..n] {
@@ -311,7 +313,7 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
         }
         let e = map.extents[n - 1];
         if last || n < EXTENTS_PER_CALL {
-            return shared;
+            return Ok(shared);
         }
         map.start = e.logical.saturating_add(e.length);
         map.length = u64::MAX - map.start;

@@ -1048,3 +1048,31 @@ fn hard_links_deep_in_a_base_cost_no_memory_per_level() {
     let f1 = ino("f1");
     assert!(f1.len() == 2 && f1[0] == f1[1], "{found}");
 }
+
+/// A termination signal during the copy of one large file is acted on
+/// within a chunk of its data, not once the whole file is copied (locks
+/// held all the while). The pause comes after the file's first chunk.
+#[test]
+fn sigterm_during_a_large_file_stops_its_copy() {
+    let env = Env::new();
+    let full: u64 = 256 << 20;
+    env.build(
+        "base",
+        "head -c 256M /dev/zero > \"$STOWAGE_IMAGE_DIR/big\"",
+    );
+    let (bg, pause) = env.paused(
+        ["exec", "--write", "copy", "--from", "base", "--", "true"],
+        "clone-data",
+    );
+    bg.signal(libc::SIGTERM);
+    fs::remove_file(&pause).unwrap();
+    let out = bg.finish();
+    assert_eq!(code(&out), Some(143), "{}", show(&out));
+    let copied = fs::metadata(env.root.join("img/copy/big")).unwrap().len();
+    assert!(
+        copied < full,
+        "the copy ran on after SIGTERM: {copied} of {full} bytes"
+    );
+    assert_eq!(env.state("copy").as_deref(), Some("incomplete"));
+    assert!(flock_free(&env.lock_file("base")));
+}
