@@ -809,11 +809,39 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
     cvt(r).map(drop)
 }
 
+fn remove_xattr(t: &Target, key: &CStr) -> io::Result<()> {
+    // SAFETY: valid C strings.
+    let r = match t {
+        Target::Fd(fd) => unsafe { libc::fremovexattr(fd.as_raw_fd(), key.as_ptr()) },
+        Target::At(d, name) => {
+            let path = d.proc_path(name);
+            unsafe { libc::lremovexattr(path.as_ptr(), key.as_ptr()) }
+        }
+    };
+    cvt(r).map(drop)
+}
+
 /// Copies every extended attribute the source has and the target accepts; counts the refusals. One
-/// the target has already (a label the filesystem gave it) is left alone.
+/// the target has already (a label the filesystem gave it) is left alone, but not an ACL the source
+/// lacks: a new file inherits its directory's default ACL (one set on the images directory).
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
+    let names = xattr(src, None);
+    let keys = |list: &[u8]| -> Vec<Vec<u8>> {
+        let keys = list.split(|b| *b == 0).filter(|k| !k.is_empty());
+        keys.map(<[u8]>::to_vec).collect()
+    };
+    let theirs = keys(names.as_deref().unwrap_or_default());
+    for acl in keys(&xattr(dst, None).unwrap_or_default()) {
+        if acl.starts_with(b"system.posix_acl_")
+            && !theirs.contains(&acl)
+            && let Ok(acl) = CString::new(acl)
+        {
+            // Our own new file: nothing refuses it but a filesystem without ACLs, which has none.
+            let _ = remove_xattr(dst, &acl);
+        }
+    }
     // No extended attributes here at all, or none readable.
-    let Ok(names) = xattr(src, None) else { return };
+    let Ok(names) = names else { return };
     for key in names.split(|b| *b == 0).filter(|k| !k.is_empty()) {
         let Ok(key) = CString::new(key) else { continue };
         let result = xattr(src, Some(&key)).and_then(|value| {

@@ -1076,3 +1076,40 @@ fn sigterm_during_a_large_file_stops_its_copy() {
     assert_eq!(env.state("copy").as_deref(), Some("incomplete"));
     assert!(flock_free(&env.lock_file("base")));
 }
+
+/// A copy's ACLs are its base's: a default ACL on the images directory
+/// (which every new file in it inherits) gives the copy none the base
+/// lacks, and no wider modes.
+#[test]
+fn a_clone_gains_no_acl_from_the_images_directory() {
+    if !have("setfacl") || !have("getfacl") {
+        eprintln!("skipping: setfacl/getfacl not found");
+        return;
+    }
+    let env = Env::new();
+    env.build(
+        "plain",
+        "cd \"$STOWAGE_IMAGE_DIR\"; mkdir d; echo a > d/f; mkfifo d/p; chmod 700 d; chmod 600 d/f",
+    );
+    let img = env.root.join("img");
+    let set = Command::new("setfacl")
+        .args(["-d", "-m", "u:1234:rwx"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    if !set.status.success() {
+        eprintln!("skipping: no ACLs here: {}", stderr(&set));
+        return;
+    }
+    env.ok(["exec", "--write", "copy", "--from", "plain", "--", "true"]);
+    for f in ["", "d", "d/f", "d/p"] {
+        let acl = sh(&format!(
+            "getfacl -cp '{}'",
+            img.join("copy").join(f).display()
+        ));
+        let acl = String::from_utf8_lossy(&acl.stdout).into_owned();
+        assert!(!acl.contains("1234"), "copy/{f} gained an ACL:\n{acl}");
+        let mode = |i: &str| fs::symlink_metadata(img.join(i).join(f)).unwrap().mode();
+        assert_eq!(mode("plain"), mode("copy"), "{f}");
+    }
+}
