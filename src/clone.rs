@@ -2,7 +2,8 @@
 //!
 //! - Kept: file types, modes with setuid/setgid/sticky, owners and device nodes where permitted,
 //!   times, hard links, holes, every extended attribute the target accepts. What cannot be kept is
-//!   counted and reported, never silently dropped.
+//!   counted and reported, never silently dropped; but `trusted.*` attributes are listed only to
+//!   root, and a copy without privilege cannot tell that they are there.
 //! - Data: FICLONE where the filesystem can, else only data regions (SEEK_DATA, copy_file_range).
 //! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links. It
 //!   holds a bounded number of descriptors at any depth: levels far above the one being copied are
