@@ -2,9 +2,16 @@
 //!
 //! - Kept: file types, modes with setuid/setgid/sticky, owners and device nodes where permitted,
 //!   times, hard links, holes, every extended attribute the target accepts. What cannot be kept is
-//!   counted and reported, never silently dropped.
+//!   counted and reported, never silently dropped; but `trusted.*` attributes are listed only to
+//!   root, and a copy without privilege cannot tell that they are there.
 //! - Data: FICLONE where the filesystem can, else only data regions (SEEK_DATA, copy_file_range).
-//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links.
+//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links. It
+//!   holds a bounded number of descriptors at any depth: levels far above the one being copied are
+//!   closed and reopened through `..` ([`dir::OPEN_LEVELS`]).
+//! - Memory is bounded by the tree's width and names, not by hard links × depth: a linked inode's
+//!   first copy is kept as its directory's line in a tree of directories that leads to one, and a
+//!   later name is linked by a route up through `..` and down from the nearest common directory.
+//! - A large file is copied in chunks, a termination signal looked for between them.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
 //!   image's empty directory, mode 700 (setgid kept) until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
@@ -78,6 +85,42 @@ struct Frame {
     names: std::vec::IntoIter<CString>,
     /// The source directory's own mode, while it lends us access.
     _lent: Option<Lent>,
+}
+
+/// A [`Frame`] far above the directory being copied, its two directories closed and known by
+/// device and inode, to be reopened through `..` on the way back.
+struct Far {
+    src: (u64, u64),
+    dst: (u64, u64),
+    meta: libc::stat,
+    names: std::vec::IntoIter<CString>,
+    _lent: Option<Lent>,
+}
+
+impl Frame {
+    fn close(self) -> io::Result<Far> {
+        let (s, d) = (dir::fstat(&self.src)?, dir::fstat(&self.dst)?);
+        Ok(Far {
+            src: (s.st_dev, s.st_ino),
+            dst: (d.st_dev, d.st_ino),
+            meta: self.meta,
+            names: self.names,
+            _lent: self._lent,
+        })
+    }
+}
+
+impl Far {
+    /// Reopened from its subdirectory's frame `below`: each `..` must be the directory left.
+    fn reopen(self, below: &Frame) -> io::Result<Frame> {
+        Ok(Frame {
+            src: below.src.parent_checked(self.src, "copied")?,
+            dst: below.dst.parent_checked(self.dst, "copied")?,
+            meta: self.meta,
+            names: self.names,
+            _lent: self._lent,
+        })
+    }
 }
 
 /// Access to a base file or directory that is ours but its mode keeps from us (a mode-000
@@ -187,6 +230,10 @@ pub fn copy_tree_at(
         dev: meta.st_dev,
         mount,
         trail: Trail::default(),
+        far: Vec::new(),
+        dirs: vec![(0, CString::default())],
+        here: vec![0],
+        kept: 1,
         links: HashMap::new(),
         reflink_works: true,
         // Where a client may answer from stale attributes (not a local filesystem).
@@ -199,10 +246,7 @@ pub fn copy_tree_at(
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
-        // The directories made 700 get their mode back, so a group store's member can remove them.
-        for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
-            let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
-        }
+        copy.give_back(&stack, Mode::from_bits_retain(was));
         // Its mode back and nothing made in it: the copy changed nothing (this needs no new
         // descriptor, as one that ran out of them must not).
         let top = (dir::fstat(&copy.dst_root).ok()).map(|st| st.st_mode & 0o7777);
@@ -262,15 +306,24 @@ struct TreeCopy<'a> {
     /// The two tops, as messages name them.
     src: &'a Path,
     dst: &'a Path,
-    /// The top of the copy, where hard links find their first copies.
+    /// The top of the copy.
     dst_root: Dir,
     /// The base's filesystem and mount: a directory on another is a mount point.
     dev: u64,
     mount: Option<u64>,
     /// The names from the tops down to the directory being copied.
     trail: Trail,
-    /// First copy of each hard-linked inode, as names from `dst`.
-    links: HashMap<(u64, u64), Vec<CString>>,
+    /// The levels above the deepest [`dir::OPEN_LEVELS`], closed; the top first.
+    far: Vec<Far>,
+    /// Directories of the copy, each as its parent's line here and its name (the top is line 0):
+    /// those on the way to the directory being copied, and below `kept`, those on the way to a
+    /// first copy of a hard-linked inode. A parent's line comes before its subdirectories'.
+    dirs: Vec<(usize, CString)>,
+    /// The lines of the directory being copied and of those above it, the top first.
+    here: Vec<usize>,
+    kept: usize,
+    /// First copy of each hard-linked inode: its directory's line in `dirs`, and its name.
+    links: HashMap<(u64, u64), (usize, CString)>,
     reflink_works: bool,
     /// Files' lengths are read from their data too ([`length_read`]).
     shared: bool,
@@ -285,7 +338,13 @@ impl TreeCopy<'_> {
             let Some(name) = top.names.next() else {
                 // A directory gets its mode and times after its contents (read-only ones, mtimes).
                 let done = stack.pop().expect("not empty");
-                self.trail.0.pop();
+                if stack.is_empty()
+                    && let Some(far) = self.far.pop()
+                {
+                    let up = far.reopen(&done);
+                    stack.push(up.with_context(|| self.cannot_climb())?);
+                }
+                self.leave();
                 let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
                 self.attrs(dst, src, None, &done.meta)?;
                 continue;
@@ -293,6 +352,10 @@ impl TreeCopy<'_> {
             crate::signals::check()?;
             if let Some(sub) = self.copy_entry(top, name)? {
                 stack.push(sub);
+                if stack.len() > dir::OPEN_LEVELS {
+                    let far = stack.remove(0).close();
+                    self.far.push(far.with_context(|| self.cannot_climb())?);
+                }
             }
         }
         Ok(())
@@ -339,6 +402,9 @@ impl TreeCopy<'_> {
             let mount = self.trail.show(self.src, Some(&name));
             self.out.mounts_left_out.push(mount);
         }
+        let parent = *self.here.last().expect("the top is there");
+        self.dirs.push((parent, name.clone()));
+        self.here.push(self.dirs.len() - 1);
         self.trail.0.push(name);
         Ok(Frame {
             src: s,
@@ -349,18 +415,65 @@ impl TreeCopy<'_> {
         })
     }
 
+    /// After a failure: the copy's directories made 700 and not done get `mode`, the top's, back, so
+    /// a group store's member can remove them; the far ones are reopened through `..`.
+    fn give_back(&self, stack: &[Frame], mode: Mode) {
+        for d in stack.iter().map(|f| &f.dst).chain([&self.dst_root]) {
+            let _ = fchmod(d, mode);
+        }
+        let mut up = stack.first().and_then(|f| f.dst.duplicate().ok());
+        for far in self.far.iter().rev() {
+            up = up.and_then(|d| d.parent_checked(far.dst, "copied").ok());
+            if let Some(d) = &up {
+                let _ = fchmod(d, mode);
+            }
+        }
+    }
+
+    /// Leaves the directory being copied for the one above; its line in `dirs` goes unless it
+    /// leads to a first copy.
+    fn leave(&mut self) {
+        self.trail.0.pop();
+        if let Some(line) = self.here.pop()
+            && line >= self.kept
+        {
+            // What came after it is below it, left already.
+            self.dirs.truncate(line);
+        }
+    }
+
     /// For an inode with several names: a later name becomes a link to the first one's copy (true).
     fn linked_to_copy(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<bool> {
         let key = (meta.st_dev, meta.st_ino);
-        if let Some(first) = self.links.get(&key) {
-            link_to(&self.dst_root, first, &top.dst, name)
-                .with_context(|| self.cannot_copy(name))?;
+        if let Some((line, first)) = self.links.get(&key) {
+            let route = self.route(*line, first);
+            link_to(&top.dst, &route, &top.dst, name).with_context(|| self.cannot_copy(name))?;
             return Ok(true);
         }
-        let mut names = self.trail.0.clone();
-        names.push(name.to_owned());
-        self.links.insert(key, names);
+        // This directory and those above it are kept: the way to this first copy.
+        self.kept = self.dirs.len();
+        let line = *self.here.last().expect("the top is there");
+        self.links.insert(key, (line, name.to_owned()));
         Ok(false)
+    }
+
+    /// The names from the directory being copied to `name` in the directory at `line`: up through
+    /// `..` to the nearest directory above both, then down.
+    fn route(&self, mut line: usize, name: &CStr) -> Vec<CString> {
+        let mut down = vec![name.to_owned()];
+        // `here` is in ascending order: a parent's line comes before its subdirectories'.
+        let above = loop {
+            match self.here.binary_search(&line) {
+                Ok(i) => break i,
+                Err(_) => {
+                    down.push(self.dirs[line].1.clone());
+                    line = self.dirs[line].0;
+                }
+            }
+        };
+        let mut route = vec![c"..".to_owned(); self.here.len() - 1 - above];
+        route.extend(down.into_iter().rev());
+        route
     }
 
     fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
@@ -442,6 +555,12 @@ impl TreeCopy<'_> {
             Some(n) => self.cannot_copy(n),
             None => format!("cannot set attributes of {}", at()),
         })
+    }
+
+    /// The message of a failure to reopen a directory above the current one, or to close one.
+    fn cannot_climb(&self) -> String {
+        let at = self.trail.show(self.src, None);
+        format!("cannot go back up from {at}")
     }
 
     /// The message of a failure to copy `name` of the current directory.
@@ -537,11 +656,21 @@ fn read_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<usize> {
     }
 }
 
+/// How much of a file's data is copied between two looks for a termination signal: a copy stops
+/// within one chunk, not once a file of many GiB is done, while it holds its locks.
+const CHUNK: u64 = 64 << 20;
+
+/// A termination signal, as the error of a data copy's step ([`crate::exec`] exits 128+N on it).
+fn stop_if_signalled() -> io::Result<()> {
+    crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))
+}
+
 /// Copies `len` bytes at `off` from `src` to the same offset of `dst` (in the kernel if it can).
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     let (end, mut pos) = (off + len, off);
     while pos < end {
-        let want = (end - pos).min(1 << 30) as usize;
+        stop_if_signalled()?;
+        let want = (end - pos).min(CHUNK) as usize;
         let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
         // The system call itself: std declares libc's symbol weak, and a static LTO build may then
         // call address 0.
@@ -560,7 +689,10 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
         match copied {
             // The source ended before the range did (it shrank under us).
             Ok(0) => return Ok(()),
-            Ok(n) => pos += n as u64,
+            Ok(n) => {
+                pos += n as u64;
+                crate::debug::pause("clone-data");
+            }
             Err(e)
                 if matches!(
                     e.raw_os_error(),
@@ -583,6 +715,8 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     use std::os::unix::fs::FileExt as _;
     let mut buf = vec![0u8; 1 << 20];
     while pos < end {
+        // Looks are cheap (at most one every few milliseconds asks the kernel).
+        stop_if_signalled()?;
         let chunk = (end - pos).min(buf.len() as u64) as usize;
         let n = match read_at(src, &mut buf[..chunk], pos)? {
             0 => return Ok(pos),
@@ -594,15 +728,16 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     Ok(pos)
 }
 
-/// A second name for the copy of a hard-linked inode, its first copy found from the copy's top.
-fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
+/// A second name for the copy of a hard-linked inode, its first copy found by the names `first`
+/// (a route from `start`, `..` included).
+fn link_to(start: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
     for p in parents {
-        let here = owned.as_ref().unwrap_or(dst_root);
+        let here = owned.as_ref().unwrap_or(start);
         owned = Some(here.sub(OsStr::from_bytes(p.to_bytes()))?);
     }
-    let parent = owned.as_ref().unwrap_or(dst_root);
+    let parent = owned.as_ref().unwrap_or(start);
     // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
     let nofollow = AtFlags::empty();
     Ok(linkat(parent, last.as_c_str(), dir, name, nofollow)?)
@@ -686,11 +821,39 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
     cvt(r).map(drop)
 }
 
+fn remove_xattr(t: &Target, key: &CStr) -> io::Result<()> {
+    // SAFETY: valid C strings.
+    let r = match t {
+        Target::Fd(fd) => unsafe { libc::fremovexattr(fd.as_raw_fd(), key.as_ptr()) },
+        Target::At(d, name) => {
+            let path = d.proc_path(name);
+            unsafe { libc::lremovexattr(path.as_ptr(), key.as_ptr()) }
+        }
+    };
+    cvt(r).map(drop)
+}
+
 /// Copies every extended attribute the source has and the target accepts; counts the refusals. One
-/// the target has already (a label the filesystem gave it) is left alone.
+/// the target has already (a label the filesystem gave it) is left alone, but not an ACL the source
+/// lacks: a new file inherits its directory's default ACL (one set on the images directory).
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
+    let names = xattr(src, None);
+    let keys = |list: &[u8]| -> Vec<Vec<u8>> {
+        let keys = list.split(|b| *b == 0).filter(|k| !k.is_empty());
+        keys.map(<[u8]>::to_vec).collect()
+    };
+    let theirs = keys(names.as_deref().unwrap_or_default());
+    for acl in keys(&xattr(dst, None).unwrap_or_default()) {
+        if acl.starts_with(b"system.posix_acl_")
+            && !theirs.contains(&acl)
+            && let Ok(acl) = CString::new(acl)
+        {
+            // Our own new file: nothing refuses it but a filesystem without ACLs, which has none.
+            let _ = remove_xattr(dst, &acl);
+        }
+    }
     // No extended attributes here at all, or none readable.
-    let Ok(names) = xattr(src, None) else { return };
+    let Ok(names) = names else { return };
     for key in names.split(|b| *b == 0).filter(|k| !k.is_empty()) {
         let Ok(key) = CString::new(key) else { continue };
         let result = xattr(src, Some(&key)).and_then(|value| {

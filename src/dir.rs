@@ -9,8 +9,8 @@
 //!   which must be the directory left, so a tree moved mid-walk stops the walk.
 //! - Nor does it delete a directory its caller's [`Keep`] says a store uses (a claimed images
 //!   directory, a root): it stops there.
-//! - The walks that copy and measure trees go the same way, at any depth; paths exist only for
-//!   messages, bounded ([`Trail::show`]).
+//! - The walks that copy and measure trees go the same way, at any depth, as few descriptors
+//!   held; paths exist only for messages, bounded ([`Trail::show`]).
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
@@ -162,6 +162,19 @@ impl Dir {
 
     pub fn stat(&self) -> io::Result<Entry> {
         Ok(entry(&fstat(self)?))
+    }
+
+    /// The directory above this one through `..`, which must be `id` (device, inode), the one a
+    /// walk came down from: else the tree moved under the walk (being `what`), which stops.
+    pub fn parent_checked(&self, id: (u64, u64), what: &str) -> io::Result<Dir> {
+        let up = self.sub("..")?;
+        let st = fstat(&up)?;
+        if (st.st_dev, st.st_ino) != id {
+            return Err(io::Error::other(format!(
+                "the tree was moved while being {what}; stopped"
+            )));
+        }
+        Ok(up)
     }
 
     /// Every field of `name`'s lstat, for the walks that copy and measure trees.
@@ -661,8 +674,9 @@ fn entry(st: &libc::stat) -> Entry {
     }
 }
 
-/// Levels of a walk that keep their descriptor open; deeper ones are reopened through `..`.
-const OPEN_LEVELS: usize = 16;
+/// Levels of a walk that keep their descriptors open (the deepest); the others are closed, and
+/// reopened through `..` ([`Dir::parent_checked`]) on the way back: a walk holds few at any depth.
+pub const OPEN_LEVELS: usize = 16;
 
 /// How often a directory is relisted while entries keep appearing in it (a process still writing).
 const RELISTS: u32 = 8;
@@ -822,15 +836,8 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     let done = stack.pop().expect("depth > 1");
     let parent = stack.last_mut().expect("depth > 1");
     if parent.dir.is_none() {
-        // Back through `..`, which must be the directory left: else the tree moved, and we stop.
-        let up = done.dir.as_ref().expect("open").sub("..")?;
-        let id = up.stat()?;
-        if (id.dev, id.ino) != parent.id {
-            return Err(io::Error::other(
-                "the tree was moved while being deleted; stopped",
-            ));
-        }
-        parent.dir = Some(up);
+        let done = done.dir.as_ref().expect("open");
+        parent.dir = Some(done.parent_checked(parent.id, "deleted")?);
     }
     drop(done.dir);
     let pdir = parent.dir.as_ref().expect("reopened above");
@@ -930,7 +937,7 @@ impl Trail {
 static GIVEN_OPEN_FILES: std::sync::OnceLock<(rlim_t, rlim_t)> = std::sync::OnceLock::new();
 
 /// Raises the soft limit on open files to the hard one for the whole run, once, at start: a command
-/// may hold a descriptor per image (rm, exec, gc, doctor, the listings), a deep walk two per level.
+/// may hold a descriptor per image (rm, exec, gc, doctor, the listings), a walk two per open level.
 /// What stowage starts gets the limit it was given ([`with_given_open_files`]).
 pub fn raise_open_files() {
     let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
