@@ -125,6 +125,23 @@ fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
     Some(name.to_owned())
 }
 
+/// Whether user `uid` is in group `gid` by `/etc/passwd` (its primary group) and `/etc/group` (its
+/// members), read directly; `None` where they do not know the user or the group.
+pub fn user_in_group(uid: u32, gid: u32) -> Option<bool> {
+    let text = passwd_text()?;
+    let line =
+        (text.lines()).find(|l| l.split(':').nth(2).and_then(|u| u.parse().ok()) == Some(uid))?;
+    let fields: Vec<&str> = line.split(':').collect();
+    if fields.get(3).and_then(|g| g.parse().ok()) == Some(gid) {
+        return Some(true);
+    }
+    let groups = std::fs::read_to_string("/etc/group").ok()?;
+    let group =
+        (groups.lines()).find(|l| l.split(':').nth(2).and_then(|g| g.parse().ok()) == Some(gid))?;
+    let members = group.split(':').nth(3).unwrap_or_default();
+    Some(members.split(',').any(|m| m == fields[0]))
+}
+
 /// "'users' (100)", by `/etc/group` (read directly: a static binary has no NSS); the number alone
 /// for a group it does not name.
 pub fn group_label(gid: u32) -> String {

@@ -298,7 +298,7 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
         "its group may not read it".to_owned()
     } else if let Some(p) = acl_short(path, false, dir) {
         format!("its ACL gives its group only {}", rwx(p))
-    } else if let Some((me, p)) = acl_short_users(path, false, dir)
+    } else if let Some((me, p)) = acl_short_users(path, false, dir, store.gid())
         .into_iter()
         .find(|&(u, _)| u == nix::unistd::geteuid().as_raw())
     {
@@ -373,25 +373,34 @@ pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
     (group.1 & needs(dir) != needs(dir)).then_some(group.1)
 }
 
-/// The users the access ACL of `path` (followed if `follow`) names and gives less than a part
-/// needs, with what it gives them: a named user's entry is theirs alone, so a member it names is
-/// kept out whatever the group may do.
-pub fn acl_short_users(path: &Path, follow: bool, dir: bool) -> Vec<(u32, u32)> {
+/// The members of group `gid` the access ACL of `path` (followed if `follow`) names and gives less
+/// than a part needs, with what it gives them: a named user's entry is theirs alone, so a member it
+/// names is kept out whatever the group may do. An entry for a user the databases show outside the
+/// group (read access given to an auditor) is theirs to keep; one they do not know may be a member.
+pub fn acl_short_users(path: &Path, follow: bool, dir: bool, gid: u32) -> Vec<(u32, u32)> {
     let entries = acl_entries(path, follow).unwrap_or_default().into_iter();
-    let short = entries.filter(|e| e.0 == ACL_USER && e.1 & needs(dir) != needs(dir));
+    let short = entries.filter(|&e| short_member(e, dir, gid));
     short.map(|(_, perms, uid)| (uid, perms)).collect()
 }
 
-/// Takes the named users [`acl_short_users`] finds out of the access ACL of `path` (followed: a
+/// Whether ACL entry `(tag, perms, id)` names a (possible) member of group `gid` with less than a
+/// part needs.
+fn short_member((tag, perms, id): (u16, u32, u32), dir: bool, gid: u32) -> bool {
+    tag == ACL_USER
+        && perms & needs(dir) != needs(dir)
+        && crate::ident::user_in_group(id, gid) != Some(false)
+}
+
+/// Takes the members [`acl_short_users`] finds out of the access ACL of `path` (followed: a
 /// descriptor's `/proc` name), the rest kept: they get what the group gets.
-pub fn drop_short_users(path: &Path, dir: bool) -> io::Result<()> {
+pub fn drop_short_users(path: &Path, dir: bool, gid: u32) -> io::Result<()> {
     let c = cstr(path.as_os_str())?;
     let Some(entries) = acl_entries(path, true) else {
         return Ok(());
     };
     let mut acl = 2u32.to_le_bytes().to_vec();
     for (tag, perms, id) in entries {
-        if tag == ACL_USER && perms & needs(dir) != needs(dir) {
+        if short_member((tag, perms, id), dir, gid) {
             continue;
         }
         acl.extend(tag.to_le_bytes());

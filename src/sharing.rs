@@ -144,7 +144,7 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
             let bits = if dir { DIR_BITS } else { FILE_BITS };
             let default_acl = dir && has_default_acl(&path);
             let acl_group = crate::planted::acl_short(&path, true, dir);
-            let acl_users = crate::planted::acl_short_users(&path, true, dir);
+            let acl_users = crate::planted::acl_short_users(&path, true, dir, gid);
             let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
             (!fine || acl_group.is_some() || !acl_users.is_empty()).then(|| Wrong {
                 rel,
@@ -319,8 +319,8 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
         crate::error::cvt(unsafe {
             libc::removexattr(proc.as_ptr(), crate::planted::ACCESS_ACL.as_ptr())
         })?;
-    } else if !crate::planted::acl_short_users(&proc, true, dir).is_empty() {
-        crate::planted::drop_short_users(&proc, dir)?;
+    } else if !crate::planted::acl_short_users(&proc, true, dir, gid).is_empty() {
+        crate::planted::drop_short_users(&proc, dir, gid)?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
