@@ -609,7 +609,13 @@ impl Root {
         // inodes left gc unable to run (`store.lock` is not: a new image's write asks it if there).
         let (shared, create) = (crate::lock::Mode::Shared, crate::lock::IfMissing::Create);
         for lock in [self.global_lock(), self.gc_lock()] {
-            drop(crate::lock::acquire_no_wait(&lock, shared, create));
+            match crate::lock::acquire_no_wait(&lock, shared, create) {
+                // Something planted in its place is said now, not by the first gc.
+                Err(e) if crate::planted::find(&e).is_some() => {
+                    return Err(crate::lock::error("a lock of the layout", &lock, e));
+                }
+                _ => {}
+            }
         }
         crate::space::refill(&self.reserve());
         Ok(())

@@ -1300,3 +1300,32 @@ fn a_symlink_in_the_images_directorys_place_is_refused_with_advice_that_works() 
             .is_symlink()
     );
 }
+
+/// Something planted where the layout keeps gc's lock (a FIFO, a symlink) is said by `init`, one
+/// line naming it and the repair, never waited on: `init` said the root was ready, and the first gc
+/// failed on it.
+#[test]
+fn init_names_something_planted_at_a_lock_of_the_layout() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let lock = env.root.join("locks/gc.lock");
+    for plant in ["fifo", "symlink"] {
+        fs::remove_file(&lock).unwrap();
+        match plant {
+            "fifo" => {
+                nix::unistd::mkfifo(&lock, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap()
+            }
+            _ => std::os::unix::fs::symlink("/etc/passwd", &lock).unwrap(),
+        }
+        let out = env.run(["init"]);
+        assert_eq!(code(&out), Some(1), "{plant}: {}", show(&out));
+        let said = stderr(&out);
+        assert!(
+            said.contains("gc.lock") && said.contains("doctor --repair"),
+            "{said}"
+        );
+        assert_eq!(said.lines().count(), 1, "{said}");
+        env.ok(["doctor", "--repair"]);
+        env.ok(["init"]);
+    }
+}
