@@ -89,7 +89,6 @@ pub struct Report {
     /// will take), and so kept.
     pub busy: Vec<String>,
     /// Those of `busy` kept only for a waiting command (lock-status shows it as queued).
-    #[serde(skip)]
     pub queued: Vec<String>,
     pub bytes_freed: u64,
     pub size_before: u64,
