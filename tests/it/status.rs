@@ -1408,11 +1408,13 @@ fn a_command_queued_behind_a_slot_shows_on_the_images_it_will_take() {
     assert_eq!(base["queued"][0]["command"], "true", "{base}");
     let text = stdout(&env.ok(["lock-status"]));
     assert!(text.contains("queued: pid"), "{text}");
-    let gc = stdout(&env.ok(["gc", "--unused-for", "1d"]));
-    assert!(
-        gc.contains("kept 'base': a waiting command will use it"),
-        "{gc}"
-    );
+    let gc = stdout(&env.ok(["gc", "--unused-for", "1d", "--dry-run"]));
+    let said = "kept 'base': a waiting command will use it";
+    assert!(gc.contains(said), "{gc}");
+    let gc = stdout(&env.ok(["gc", "--unused-for", "1d", "--json"]));
+    let gc: serde_json::Value = serde_json::from_str(&gc).unwrap();
+    assert_eq!(gc["queued"], serde_json::json!(["base"]), "{gc}");
+    assert_eq!(gc["busy"], serde_json::json!(["base"]), "{gc}");
     env.release("slot-go");
     for bg in [slot, queued] {
         let out = bg.finish();
