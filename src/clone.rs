@@ -587,18 +587,40 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     Ok(pos)
 }
 
-/// A second name for the copy of a hard-linked inode, its first copy found from the copy's top.
+/// A second name for the copy of a hard-linked inode, its first copy found from the copy's top. A
+/// directory on the way whose copy is done already has its final mode, which may keep even its
+/// owner out (000): the copy is ours alone while made, so the owner's search bit is set on it for
+/// the link and its mode put back after.
 fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
-    let mut owned: Option<Dir> = None;
-    for p in parents {
-        let here = owned.as_ref().unwrap_or(dst_root);
-        owned = Some(here.sub(OsStr::from_bytes(p.to_bytes()))?);
+    let mut opened: Vec<(Dir, Option<libc::mode_t>)> = Vec::new();
+    let linked = (|| {
+        for p in parents {
+            let here = opened.last().map_or(dst_root, |(d, _)| d);
+            let sub = here.anchor_sub(OsStr::from_bytes(p.to_bytes()))?;
+            let mode = dir::fstat(&sub)?.st_mode & 0o7777;
+            let lent = (mode & 0o100 == 0).then_some(mode);
+            if lent.is_some() {
+                dir::chmod_o_path(sub.as_raw_fd(), mode | 0o100)?;
+            }
+            opened.push((sub, lent));
+        }
+        let parent = opened.last().map_or(dst_root, |(d, _)| d);
+        // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
+        Ok(linkat(
+            parent,
+            last.as_c_str(),
+            dir,
+            name,
+            AtFlags::empty(),
+        )?)
+    })();
+    for (d, lent) in opened.iter().rev() {
+        if let Some(mode) = lent {
+            dir::chmod_o_path(d.as_raw_fd(), *mode)?;
+        }
     }
-    let parent = owned.as_ref().unwrap_or(dst_root);
-    // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
-    let nofollow = AtFlags::empty();
-    Ok(linkat(parent, last.as_c_str(), dir, name, nofollow)?)
+    linked
 }
 
 /// Where attributes are read or set: an open file, or a name in a directory (not opened).

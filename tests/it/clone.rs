@@ -773,6 +773,37 @@ fn an_unprivileged_copy_takes_what_its_owner_may_not_read() {
     assert_eq!(modes(&base).len(), before.len() + 1);
 }
 
+/// A hard-linked file whose first name is in a directory of mode 000 (the
+/// owner's, copied by the owner): its other name, met after that
+/// directory's copy got its mode, is a link all the same.
+#[test]
+fn an_unprivileged_copy_links_names_of_a_file_first_met_in_a_000_directory() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    // Several, so that readdir meets some before `z`.
+    unprivileged_build(
+        &env,
+        "base",
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir z; for i in 1 2 3 4 5 6 7 8; do \
+         mkdir a$i; echo s > a$i/f; ln a$i/f z/g$i; chmod 000 a$i; done",
+    );
+    let before = modes(&env.images_dir().join("base"));
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "app", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let app = env.images_dir().join("app");
+    assert_eq!(modes(&app), before);
+    for i in 1..=8 {
+        let g = fs::metadata(app.join(format!("z/g{i}"))).unwrap();
+        let f = fs::metadata(app.join(format!("a{i}/f"))).unwrap();
+        assert_eq!((g.ino(), g.nlink()), (f.ino(), 2), "a{i}/f and z/g{i}");
+    }
+}
+
 /// A copy that runs out of file descriptors (it keeps two per level of a
 /// deep tree) says which file it stopped at and what to do, and the image
 /// is not ready.
