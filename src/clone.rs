@@ -29,6 +29,7 @@ use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
 use crate::dir::{self, Dir, Trail, xattr_read};
 use crate::error::{cvt, retrying};
+use crate::loan::{Lent, Loans};
 
 /// What a copy did.
 #[derive(Debug, Default, Clone)]
@@ -80,41 +81,39 @@ struct Frame {
     _lent: Option<Lent>,
 }
 
-/// Access to a base file or directory that is ours but its mode keeps from us (a mode-000
-/// `/etc/shadow`, as RHEL-family images hold): the owner's read (and search) bit is set on that
-/// very inode until this is dropped.
-struct Lent {
-    fd: OwnedFd,
-    mode: libc::mode_t,
-}
-
-impl Drop for Lent {
-    fn drop(&mut self) {
-        let _ = dir::chmod_o_path(self.fd.as_raw_fd(), self.mode);
-    }
-}
-
-/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One whose mode (ours)
-/// keeps the owner's read (and for a directory search) bits from us gets a loan of them through an
-/// `O_PATH` descriptor of the very inode, is reopened through it, and comes with the loan.
-fn open_source(
-    dir: &Dir,
-    name: &CStr,
-    meta: &libc::stat,
-    flags: libc::c_int,
-) -> io::Result<(OwnedFd, Option<Lent>)> {
+/// The owner bits (read, and for a directory search) that the base's inode `meta` withholds from
+/// the copy of its owner, not root, who may lend them ([`crate::loan`]); 0 if none.
+fn withheld(meta: &libc::stat) -> libc::mode_t {
     let euid = nix::unistd::geteuid().as_raw();
     let need = if dir::file_type(meta) == libc::S_IFDIR {
         0o500
     } else {
         0o400
     };
-    if euid == 0 || meta.st_uid != euid || meta.st_mode & need == need {
+    if euid == 0 || meta.st_uid != euid {
+        return 0;
+    }
+    need & !meta.st_mode
+}
+
+/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One whose mode (ours)
+/// keeps the owner's read (and for a directory search) bits from us gets a loan of them through an
+/// `O_PATH` descriptor of the very inode (`names` from the base's top, the lend lock held
+/// exclusively), is reopened through it, and comes with the loan.
+fn open_source(
+    (dir, name, names): (&Dir, &CStr, &[CString]),
+    meta: &libc::stat,
+    flags: libc::c_int,
+    loans: &mut Loans,
+) -> io::Result<(OwnedFd, Option<Lent>)> {
+    let need = withheld(meta);
+    if need == 0 {
         let opened = dir.open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
-        // Not ours to lend: says whose it is (only they or root may copy it).
+        // Another's: says whose it is (only they or root may copy it).
         let (mode, uid) = (meta.st_mode & 0o7777, meta.st_uid);
+        let theirs = uid != nix::unistd::geteuid().as_raw();
         return opened.map(|fd| (fd, None)).map_err(|e| match e.kind() {
-            io::ErrorKind::PermissionDenied => {
+            io::ErrorKind::PermissionDenied if theirs => {
                 let why = format!("it is mode {mode:03o} and belongs to uid {uid}, so only they or root can copy it");
                 io::Error::new(e.kind(), format!("{e}: {why}"))
             }
@@ -126,24 +125,22 @@ fn open_source(
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
         return Err(io::Error::other("changed while being copied"));
     }
-    dir::chmod_o_path(path.as_raw_fd(), (now.st_mode & 0o7777) | need)?;
     let proc = format!("/proc/self/fd/{}", path.as_raw_fd());
-    let lent = Lent {
-        fd: path,
-        mode: now.st_mode & 0o7777,
-    };
+    let mut names = names.to_vec();
+    names.push(name.to_owned());
+    let lent = loans.lend(&names, path, &now, need)?;
     let flags = OFlag::from_bits_retain(flags | libc::O_CLOEXEC);
     let fd = nix::fcntl::open(proc.as_str(), flags, Mode::empty())?;
     Ok((fd, Some(lent)))
 }
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both opened by the caller
-/// from the images directory's descriptor (`src` and `dst` name them in messages).
+/// from the images directory's descriptor (`src` and `dst` name them in messages), holding the
+/// base's lend lock `loans`.
 pub fn copy_tree_at(
-    src_root: Dir,
-    src: &Path,
-    dst_root: Dir,
-    dst: &Path,
+    (src_root, src): (Dir, &Path),
+    (dst_root, dst): (Dir, &Path),
+    loans: &mut Loans,
     progress: &mut Bar,
 ) -> Result<Copied> {
     // A bar never shown needs no total: the base is not walked for it.
@@ -194,6 +191,7 @@ pub fn copy_tree_at(
             ..Copied::default()
         },
         progress,
+        loans,
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
@@ -201,6 +199,8 @@ pub fn copy_tree_at(
         for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
             let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
         }
+        // Loans end innermost first, as their journal lines are cut off.
+        while stack.pop().is_some() {}
         return Err(e);
     }
     drop(copy.dst_root);
@@ -269,6 +269,7 @@ struct TreeCopy<'a> {
     shared: bool,
     out: Copied,
     progress: &'a mut Bar,
+    loans: &'a mut Loans,
 }
 
 impl TreeCopy<'_> {
@@ -315,10 +316,16 @@ impl TreeCopy<'_> {
     /// Creates the copy of directory `name` (mode 700 until filled) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         let entry = OsStr::from_bytes(name.to_bytes());
+        if withheld(&meta) != 0 {
+            self.loans
+                .exclusive()
+                .with_context(|| self.cannot_copy(&name))?;
+        }
         let opened = (|| {
             top.dst.mkdir(entry, 0o700)?;
             let flags = libc::O_RDONLY | libc::O_DIRECTORY;
-            let (fd, lent) = open_source(&top.src, &name, &meta, flags)?;
+            let at = (&top.src, name.as_c_str(), &self.trail.0[..]);
+            let (fd, lent) = open_source(at, &meta, flags, self.loans)?;
             let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
             // A filesystem mounted inside the base is not its tree: the mount point is copied,
             // empty. A bind mount of the base's own filesystem shows only in its mount id.
@@ -366,10 +373,16 @@ impl TreeCopy<'_> {
 
     fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         // A loan is kept until the attributes are copied: reading `user.*` needs the data's access.
+        if withheld(meta) != 0 {
+            self.loans
+                .exclusive()
+                .with_context(|| self.cannot_copy(name))?;
+        }
         let opened = (|| {
             // Never blocking on a FIFO; the copy is made fresh.
             let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
-            let (fd, lent) = open_source(&top.src, name, meta, flags)?;
+            let at = (&top.src, name, &self.trail.0[..]);
+            let (fd, lent) = open_source(at, meta, flags, self.loans)?;
             let now = dir::fstat(&fd)?;
             if dir::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
                 return Err(io::Error::other("changed while being copied"));
@@ -798,7 +811,9 @@ mod tests {
             Dir::open_nofollow(&src).unwrap(),
             Dir::open_nofollow(&dst).unwrap(),
         );
-        let out = copy_tree_at(s, &src, t, &dst, &mut Bar::new(String::new(), false)).unwrap();
+        let mut loans = Loans::take(d.path().join("lend"), &s).unwrap();
+        let bar = &mut Bar::new(String::new(), false);
+        let out = copy_tree_at((s, &src), (t, &dst), &mut loans, bar).unwrap();
         assert_eq!(out.files, 2);
 
         let a = fs::metadata(dst.join("bin/tool")).unwrap();

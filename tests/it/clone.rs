@@ -773,6 +773,120 @@ fn an_unprivileged_copy_takes_what_its_owner_may_not_read() {
     assert_eq!(modes(&base).len(), before.len() + 1);
 }
 
+/// `stowage ARGS…` as uid 65534 in the background (`pause`: a debug pause
+/// point, with the file the process makes there); None unless root.
+fn unprivileged_bg(env: &Env, args: &[&str], pause: Option<(&str, &Path)>) -> Option<Bg> {
+    let mut c = as_nobody()?;
+    c.arg(bin()).arg("--root").arg(&env.root).args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    if let Some((point, file)) = pause {
+        c.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("{point}:{}", file.display()),
+        );
+    }
+    Some(Bg::from_command(c))
+}
+
+/// A base of uid 65534 with a directory and a file of its own it may not
+/// read (mode 000): its modes.
+fn base_with_000_entries(env: &Env) -> Vec<(String, u32)> {
+    unprivileged_build(
+        env,
+        "base",
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p etc a; \
+         echo secret > etc/shadow; chmod 000 etc/shadow; \
+         echo inside > a/f; chmod 000 a",
+    );
+    modes(&env.images_dir().join("base"))
+}
+
+/// Two copies of one base by its owner, one of them while the other has
+/// its directory of mode 000 lent (paused after copying the file inside):
+/// the second waits for the loan to end, both copy mode 000, and the base
+/// keeps its modes.
+#[test]
+fn copies_of_a_base_with_entries_lent_to_its_owner_run_at_once_faithfully() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    let before = base_with_000_entries(&env);
+    let pause = env.tmp.path().join("c1-paused");
+    let args = |t: &'static str| ["exec", "--write", t, "--from", "base", "--", "true"];
+    let Some(c1) = unprivileged_bg(&env, &args("c1"), Some(("clone-copying", &pause))) else {
+        return;
+    };
+    wait_for_file(&pause);
+    let mut c2 = unprivileged_bg(&env, &args("c2"), None).unwrap();
+    let lend = env.root.join("locks/images/base.lend");
+    wait_until("the second copy ends or waits for the loan", || {
+        !c2.is_running() || flock_waited_on(&lend)
+    });
+    fs::remove_file(&pause).unwrap();
+    for (c, bg) in [("c1", c1), ("c2", c2)] {
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{c}: {}", show(&out));
+        assert_eq!(modes(&env.images_dir().join(c)), before, "{c}'s modes");
+    }
+    assert_eq!(
+        modes(&env.images_dir().join("base")),
+        before,
+        "the base's modes"
+    );
+}
+
+/// A copy by the base's owner SIGKILLed while it has an entry of mode 000
+/// lent: `doctor` says so, and `doctor --repair`, `gc`, a write of the base
+/// or the next copy of it puts the mode back (the next copy first, so it
+/// copies it as it was).
+#[test]
+fn a_loan_left_by_a_killed_copy_is_taken_back_by_the_next_user() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    let before = base_with_000_entries(&env);
+    let base = env.images_dir().join("base");
+    let args = |t: &'static str| ["exec", "--write", t, "--from", "base", "--", "true"];
+    let kill_lending = |t: &'static str| {
+        let pause = env.tmp.path().join(format!("{t}-paused"));
+        let k = unprivileged_bg(&env, &args(t), Some(("clone-copying", &pause))).unwrap();
+        wait_for_file(&pause);
+        k.kill_all();
+        assert_ne!(modes(&base), before, "nothing was lent");
+    };
+    kill_lending("k1");
+    let out = unprivileged(&env, &["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("killed copy lent"), "{}", show(&out));
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(modes(&base), before, "after doctor --repair");
+    kill_lending("k2");
+    let out = unprivileged(&env, &["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stdout(&out).contains("restored the modes"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(modes(&base), before, "after gc");
+    kill_lending("k3");
+    let out = unprivileged(&env, &["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(modes(&base), before, "after a write of the base");
+    kill_lending("k4");
+    let out = unprivileged(&env, &args("next"));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(modes(&base), before, "after the next copy");
+    assert_eq!(
+        modes(&env.images_dir().join("next")),
+        before,
+        "the copy's modes"
+    );
+}
+
 /// A hard-linked file whose first name is in a directory of mode 000 (the
 /// owner's, copied by the owner): its other name, met after that
 /// directory's copy got its mode, is a link all the same.
