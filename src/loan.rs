@@ -17,7 +17,7 @@
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
-use std::io;
+use std::io::{self, Write as _};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt as _;
@@ -34,7 +34,12 @@ pub struct Loans {
     /// The base's top, where journaled names start.
     top: Dir,
     guard: Option<Guard>,
+    /// The base as a wait says it; `None`: quiet.
+    shown: Option<String>,
 }
+
+/// How long a wait for the lend lock goes on before it is said.
+const NOTICE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A loan on one inode: its mode is put back, then its journal line cut off, when dropped.
 pub struct Lent {
@@ -58,13 +63,15 @@ impl Drop for Lent {
 
 impl Loans {
     /// Takes the lend lock at `path` of the base whose top is `top`, shared (exclusive if a killed
-    /// lender's journal must be restored first), waiting out a lender.
-    pub fn take(path: PathBuf, top: &Dir) -> Result<Loans> {
+    /// lender's journal must be restored first), waiting out a lender. A wait that goes on is said
+    /// with the base's name `shown`, unless `None`.
+    pub fn take(path: PathBuf, top: &Dir, shown: Option<String>) -> Result<Loans> {
         let top = top.duplicate().context("cannot open the base")?;
         let mut loans = Loans {
             path,
             top,
             guard: None,
+            shown,
         };
         loans.lock(Mode::Shared)?;
         if loans.journal()?.metadata()?.len() > 0 {
@@ -80,6 +87,23 @@ impl Loans {
         let shown = self.path.display();
         let dir = self.path.parent().unwrap_or(self.path.as_path());
         let mut wait = Wait::on(dir, None);
+        if let Some(base) = &self.shown {
+            let why = match mode {
+                Mode::Shared => format!(
+                    "another copy of {base} to end: it lends itself owner access to entries whose mode withholds it"
+                ),
+                Mode::Exclusive => format!(
+                    "the other copies of {base} to end: this one lends itself owner access to entries whose mode withholds it"
+                ),
+            };
+            // As `Ctx::say` writes, a line that cannot fail the copy.
+            let line = format!("waiting for {why} ({shown})");
+            let say = move || {
+                let line = crate::ident::printable(&line);
+                let _ = writeln!(io::stderr(), "stowage: {line}");
+            };
+            wait.notice = Some((NOTICE, Box::new(say)));
+        }
         let got = lock::acquire(&self.path, mode, IfMissing::Create, &mut wait)
             .with_context(|| format!("cannot lock {shown}"))?;
         let guard = got.or_else_busy(|| anyhow::anyhow!("cannot lock {shown}"))?;

@@ -422,7 +422,8 @@ impl Session {
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
         // Held until the copy ends: no other copy of the base lends meanwhile, or lends alone.
-        let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s)
+        let shown = (!ctx.quiet).then(|| format!("'{base}'"));
+        let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s, shown)
             .with_context(|| format!("image '{base}'"))
             .with_context(cannot)?;
         let done = crate::clone::copy_tree_at((s, &src), (d, &dst), &mut loans, &mut bar)
