@@ -78,7 +78,7 @@ struct Frame {
     meta: libc::stat,
     names: std::vec::IntoIter<CString>,
     /// The source directory's own mode, while it lends us access.
-    _lent: Option<Lent>,
+    lent: Option<Lent>,
 }
 
 /// The owner bits (read, and for a directory search) that the base's inode `meta` withholds from
@@ -173,7 +173,7 @@ pub fn copy_tree_at(
             .with_context(|| format!("cannot open {}", dst.display()))?,
         meta,
         names: names.into_iter(),
-        _lent: None,
+        lent: None,
     };
     let mut copy = TreeCopy {
         src,
@@ -280,8 +280,8 @@ impl TreeCopy<'_> {
                 // A directory gets its mode and times after its contents (read-only ones, mtimes).
                 let done = stack.pop().expect("not empty");
                 self.trail.0.pop();
-                let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
-                self.attrs(dst, src, None, &done.meta)?;
+                let lent = done.lent.is_some();
+                self.attrs_fd((done.dst.as_fd(), done.src.as_fd()), None, &done.meta, lent)?;
                 continue;
             };
             crate::signals::check()?;
@@ -345,7 +345,7 @@ impl TreeCopy<'_> {
             dst: d,
             meta,
             names: names.into_iter(),
-            _lent: lent,
+            lent,
         })
     }
 
@@ -391,11 +391,11 @@ impl TreeCopy<'_> {
             let copy = top.dst.open_at(name, flags | libc::O_CLOEXEC, 0o600)?;
             Ok((File::from(fd), File::from(copy), lent))
         })();
-        let (src_f, dst_f, _lent) = opened.with_context(|| self.cannot_copy(name))?;
+        let (src_f, dst_f, lent) = opened.with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works, self.shared)
             .with_context(|| self.cannot_copy(name))?;
-        let (dst, src) = (Target::Fd(dst_f.as_fd()), Target::Fd(src_f.as_fd()));
-        self.attrs(dst, src, Some(name), meta)?;
+        let fds = (dst_f.as_fd(), src_f.as_fd());
+        self.attrs_fd(fds, Some(name), meta, lent.is_some())?;
         let len = meta.st_size as u64;
         self.out.files += 1;
         self.out.bytes += len;
@@ -432,6 +432,32 @@ impl TreeCopy<'_> {
             Some(name),
             meta,
         )
+    }
+
+    /// [`TreeCopy::attrs`] from an open source to its open copy. A source `lent` to us shows the
+    /// lent owner bits in its access ACL too, copied with it: the copy's mode is set again after
+    /// (a chmod sets the ACL's owner, mask and other entries from the mode: the base's ACL).
+    fn attrs_fd(
+        &mut self,
+        (dst, src): (BorrowedFd, BorrowedFd),
+        name: Option<&CStr>,
+        meta: &libc::stat,
+        lent: bool,
+    ) -> Result<()> {
+        self.attrs(Target::Fd(dst), Target::Fd(src), name, meta)?;
+        if lent {
+            let mode = Mode::from_bits_retain(meta.st_mode & 0o7777);
+            fchmod(dst, mode)
+                .map_err(io::Error::from)
+                .with_context(|| match name {
+                    Some(n) => self.cannot_copy(n),
+                    None => format!(
+                        "cannot set attributes of {}",
+                        self.trail.show(self.dst, None)
+                    ),
+                })?;
+        }
+        Ok(())
     }
 
     /// [`set_attrs`] for the entry `name` of the current directory's copy (or, without a name, the

@@ -788,15 +788,17 @@ fn unprivileged_bg(env: &Env, args: &[&str], pause: Option<(&str, &Path)>) -> Op
     Some(Bg::from_command(c))
 }
 
-/// A base of uid 65534 with a directory and a file of its own it may not
-/// read (mode 000): its modes.
+/// A base of uid 65534 with a directory and files of its own it may not
+/// read (mode 000; one with an access ACL, where the filesystem takes
+/// one): its modes.
 fn base_with_000_entries(env: &Env) -> Vec<(String, u32)> {
     unprivileged_build(
         env,
         "base",
         "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p etc a; \
          echo secret > etc/shadow; chmod 000 etc/shadow; \
-         echo inside > a/f; chmod 000 a",
+         echo x > etc/acl; (setfacl -m u:0:r etc/acl 2>/dev/null || true); \
+         chmod 000 etc/acl; echo inside > a/f; chmod 000 a",
     );
     modes(&env.images_dir().join("base"))
 }
