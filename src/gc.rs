@@ -382,10 +382,11 @@ pub(crate) fn restore_loans(
     restore: bool,
 ) -> (Vec<String>, Vec<String>) {
     let (mut restored, mut left) = (Vec::new(), Vec::new());
-    let images = crate::images_dir::config(root).map(|c| c.images.path_in(root.dir()));
     for e in entries {
-        let Some(name) = (e.seen.record.as_ref()).and_then(|r| ImageName::parse(&r.name).ok())
-        else {
+        let Some(r) = e.seen.record.as_ref() else {
+            continue;
+        };
+        let Ok(name) = ImageName::parse(&r.name) else {
             continue;
         };
         let lend = root.image_lend(&name);
@@ -398,7 +399,9 @@ pub(crate) fn restore_loans(
             && (|| {
                 let read = (Mode::Shared, lock::IfMissing::Fail);
                 let _read = lock::acquire_no_wait(&e.path, read.0, read.1).ok()??;
-                let dir = root.open_images_dir(images.as_ref().ok()?).ok()?;
+                // The tree where its record says (checked as a command's).
+                let images = crate::images_dir::for_command(root, r).ok()?;
+                let dir = root.open_images_dir(&images).ok()?;
                 let tree = dir.sub(name.encoded()).ok()?;
                 crate::loan::restore_left(&lend, &tree).ok()
             })() == Some(true);
