@@ -2,13 +2,20 @@
 //!
 //! - Kept: file types, modes with setuid/setgid/sticky, owners and device nodes where permitted,
 //!   times, hard links, holes, every extended attribute the target accepts. What cannot be kept is
-//!   counted and reported, never silently dropped.
+//!   counted and reported, never silently dropped; but `trusted.*` attributes are listed only to
+//!   root, and a copy without privilege cannot tell that they are there.
 //! - Data: FICLONE where the filesystem can, else only data regions (SEEK_DATA, copy_file_range).
-//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links.
+//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links. It
+//!   holds a bounded number of descriptors at any depth: levels far above the one being copied are
+//!   closed and reopened through `..` ([`dir::OPEN_LEVELS`]).
+//! - Memory is bounded by the tree's width and names, not by hard links × depth: a linked inode's
+//!   first copy is kept as its directory's line in a tree of directories that leads to one, and a
+//!   later name is linked by a route up through `..` and down from the nearest common directory.
+//! - A large file is copied in chunks, a termination signal looked for between them.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
-//!   image's empty directory, mode 700 until done. No inode is shared with the base.
+//!   image's empty directory, mode 700 (setgid kept) until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
-//!   rewrites the group bits), times.
+//!   rewrites the group bits), times. Owner refused: the group alone, where it is the caller's.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
@@ -81,6 +88,66 @@ struct Frame {
     lent: Option<Lent>,
 }
 
+/// A [`Frame`] far above the directory being copied, its two directories closed and known by
+/// device and inode, to be reopened through `..` on the way back. Its loan, if any, holds no
+/// descriptor meanwhile ([`Lent::detach`]): the mode stays lent until the level is reopened.
+struct Far {
+    src: (u64, u64),
+    dst: (u64, u64),
+    meta: libc::stat,
+    names: std::vec::IntoIter<CString>,
+    lent: Option<Lent>,
+}
+
+impl Frame {
+    /// Its two directories' device and inode, as a [`Far`] knows them.
+    fn ids(&self) -> io::Result<((u64, u64), (u64, u64))> {
+        let (s, d) = (dir::fstat(&self.src)?, dir::fstat(&self.dst)?);
+        Ok(((s.st_dev, s.st_ino), (d.st_dev, d.st_ino)))
+    }
+
+    /// Closed, known by `(src, dst)` from [`Frame::ids`].
+    fn close(self, (src, dst): ((u64, u64), (u64, u64))) -> Far {
+        let mut lent = self.lent;
+        lent.as_mut().map(Lent::detach);
+        Far {
+            src,
+            dst,
+            meta: self.meta,
+            names: self.names,
+            lent,
+        }
+    }
+}
+
+impl Far {
+    /// Its two directories, reopened from their subdirectories' frame `below` (each `..` must be
+    /// the directory left), and a descriptor of the source for its loan.
+    fn reopen(&self, below: &Frame) -> io::Result<(Dir, Dir, Option<OwnedFd>)> {
+        let src = below.src.parent_checked(self.src, "copied")?;
+        let dst = below.dst.parent_checked(self.dst, "copied")?;
+        let lent = match self.lent {
+            Some(_) => Some(src.as_fd().try_clone_to_owned()?),
+            None => None,
+        };
+        Ok((src, dst, lent))
+    }
+
+    fn into_frame(self, (src, dst, fd): (Dir, Dir, Option<OwnedFd>)) -> Frame {
+        let mut lent = self.lent;
+        if let (Some(l), Some(fd)) = (lent.as_mut(), fd) {
+            l.reattach(fd);
+        }
+        Frame {
+            src,
+            dst,
+            meta: self.meta,
+            names: self.names,
+            lent,
+        }
+    }
+}
+
 /// The owner bits (read, and for a directory search) that the base's inode `meta` withholds from
 /// the copy of its owner, not root, who may lend them ([`crate::loan`]); 0 if none.
 fn withheld(meta: &libc::stat) -> libc::mode_t {
@@ -136,12 +203,14 @@ fn open_source(
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both opened by the caller
 /// from the images directory's descriptor (`src` and `dst` name them in messages), holding the
-/// base's lend lock `loans`.
+/// base's lend lock `loans`. On failure, `changed` says whether anything of `dst_root` changed
+/// (else the image is as it was); every loan is given back either way.
 pub fn copy_tree_at(
     (src_root, src): (Dir, &Path),
     (dst_root, dst): (Dir, &Path),
     loans: &mut Loans,
     progress: &mut Bar,
+    changed: &mut bool,
 ) -> Result<Copied> {
     // A bar never shown needs no total: the base is not walked for it.
     if progress.enabled {
@@ -159,18 +228,18 @@ pub fn copy_tree_at(
     let mount = src_root
         .mount_id()
         .with_context(|| format!("cannot read {}", src.display()))?;
-    let was = make_private(&dst_root, dst)?;
     let mut names = src_root
         .entries()
         .with_context(|| format!("cannot list {}", src.display()))?;
     let before = names.len();
     names.retain(|n| n.as_bytes() != b".git" || !worktree_link(&src_root));
     let worktree_link_left_out = names.len() < before;
+    // All that can fail before the first change, before it.
+    let dst_top = (dst_root.sub(".")).with_context(|| format!("cannot open {}", dst.display()))?;
+    let was = make_private(&dst_root, dst)?;
     let top = Frame {
         src: src_root,
-        dst: dst_root
-            .sub(".")
-            .with_context(|| format!("cannot open {}", dst.display()))?,
+        dst: dst_top,
         meta,
         names: names.into_iter(),
         lent: None,
@@ -182,6 +251,10 @@ pub fn copy_tree_at(
         dev: meta.st_dev,
         mount,
         trail: Trail::default(),
+        far: Vec::new(),
+        dirs: vec![(0, CString::default())],
+        here: vec![0],
+        kept: 1,
         links: HashMap::new(),
         reflink_works: true,
         // Where a client may answer from stale attributes (not a local filesystem).
@@ -195,12 +268,14 @@ pub fn copy_tree_at(
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
-        // The directories made 700 get their mode back, so a group store's member can remove them.
-        for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
-            let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
-        }
+        copy.give_back(&stack, Mode::from_bits_retain(was));
         // Loans end innermost first, as their journal lines are cut off.
         while stack.pop().is_some() {}
+        while copy.far.pop().is_some() {}
+        // Its mode back and nothing made in it: the copy changed nothing (this needs no new
+        // descriptor, as one that ran out of them must not).
+        let top = (dir::fstat(&copy.dst_root).ok()).map(|st| st.st_mode & 0o7777);
+        *changed |= top != Some(was) || !copy.dst_root.names().is_ok_and(|n| n.is_empty());
         return Err(e);
     }
     drop(copy.dst_root);
@@ -228,7 +303,8 @@ fn worktree_link(top: &Dir) -> bool {
 
 /// Makes the copy's top ours alone while the copy is made; returns the mode it had. Attributes are
 /// set by name, so a group store's member could otherwise swap in a link between create and chmod:
-/// it must be ours and empty (a name made before may be held open by its maker).
+/// it must be ours and empty (a name made before may be held open by its maker). Its setgid stays:
+/// in a group store what is made below gets the store's group, not the copier's primary group.
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let dst = dst.display();
     let st = dir::fstat(top).with_context(|| format!("cannot read {dst}"))?;
@@ -238,7 +314,7 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
             "{dst} belongs to uid {uid}, not to you: refusing to copy into it (its owner could change names in the copy)"
         );
     }
-    fchmod(top, Mode::from_bits_retain(0o700))
+    fchmod(top, Mode::from_bits_retain(0o700 | (was & libc::S_ISGID)))
         .map_err(io::Error::from)
         .with_context(|| format!("cannot make {dst} private while copying"))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
@@ -255,15 +331,24 @@ struct TreeCopy<'a> {
     /// The two tops, as messages name them.
     src: &'a Path,
     dst: &'a Path,
-    /// The top of the copy, where hard links find their first copies.
+    /// The top of the copy.
     dst_root: Dir,
     /// The base's filesystem and mount: a directory on another is a mount point.
     dev: u64,
     mount: Option<u64>,
     /// The names from the tops down to the directory being copied.
     trail: Trail,
-    /// First copy of each hard-linked inode, as names from `dst`.
-    links: HashMap<(u64, u64), Vec<CString>>,
+    /// The levels above the deepest [`dir::OPEN_LEVELS`], closed; the top first.
+    far: Vec<Far>,
+    /// Directories of the copy, each as its parent's line here and its name (the top is line 0):
+    /// those on the way to the directory being copied, and below `kept`, those on the way to a
+    /// first copy of a hard-linked inode. A parent's line comes before its subdirectories'.
+    dirs: Vec<(usize, CString)>,
+    /// The lines of the directory being copied and of those above it, the top first.
+    here: Vec<usize>,
+    kept: usize,
+    /// First copy of each hard-linked inode: its directory's line in `dirs`, and its name.
+    links: HashMap<(u64, u64), (usize, CString)>,
     reflink_works: bool,
     /// Files' lengths are read from their data too ([`length_read`]).
     shared: bool,
@@ -279,7 +364,14 @@ impl TreeCopy<'_> {
             let Some(name) = top.names.next() else {
                 // A directory gets its mode and times after its contents (read-only ones, mtimes).
                 let done = stack.pop().expect("not empty");
-                self.trail.0.pop();
+                if stack.is_empty()
+                    && let Some(far) = self.far.last()
+                {
+                    let up = far.reopen(&done).with_context(|| self.cannot_climb())?;
+                    let far = self.far.pop().expect("seen");
+                    stack.push(far.into_frame(up));
+                }
+                self.leave();
                 let lent = done.lent.is_some();
                 self.attrs_fd((done.dst.as_fd(), done.src.as_fd()), None, &done.meta, lent)?;
                 continue;
@@ -287,6 +379,10 @@ impl TreeCopy<'_> {
             crate::signals::check()?;
             if let Some(sub) = self.copy_entry(top, name)? {
                 stack.push(sub);
+                if stack.len() > dir::OPEN_LEVELS {
+                    let ids = stack[0].ids().with_context(|| self.cannot_climb())?;
+                    self.far.push(stack.remove(0).close(ids));
+                }
             }
         }
         Ok(())
@@ -339,6 +435,9 @@ impl TreeCopy<'_> {
             let mount = self.trail.show(self.src, Some(&name));
             self.out.mounts_left_out.push(mount);
         }
+        let parent = *self.here.last().expect("the top is there");
+        self.dirs.push((parent, name.clone()));
+        self.here.push(self.dirs.len() - 1);
         self.trail.0.push(name);
         Ok(Frame {
             src: s,
@@ -349,18 +448,77 @@ impl TreeCopy<'_> {
         })
     }
 
+    /// After a failure: the copy's directories made 700 and not done get `mode`, the top's, back, so
+    /// a group store's member can remove them; the far ones are reopened through `..`, and the
+    /// loans of their sources get descriptors back to be given back by (else their journal lines
+    /// stay, for the lend lock's next exclusive holder).
+    fn give_back(&mut self, stack: &[Frame], mode: Mode) {
+        for d in stack.iter().map(|f| &f.dst).chain([&self.dst_root]) {
+            let _ = fchmod(d, mode);
+        }
+        let mut up = stack
+            .first()
+            .map(|f| (f.src.duplicate().ok(), f.dst.duplicate().ok()));
+        for far in self.far.iter_mut().rev() {
+            let Some((s, d)) = up else { break };
+            let s = s.and_then(|s| s.parent_checked(far.src, "copied").ok());
+            let d = d.and_then(|d| d.parent_checked(far.dst, "copied").ok());
+            if let Some(d) = &d {
+                let _ = fchmod(d, mode);
+            }
+            if let (Some(s), Some(lent)) = (&s, far.lent.as_mut())
+                && let Ok(fd) = s.as_fd().try_clone_to_owned()
+            {
+                lent.reattach(fd);
+            }
+            up = Some((s, d));
+        }
+    }
+
+    /// Leaves the directory being copied for the one above; its line in `dirs` goes unless it
+    /// leads to a first copy.
+    fn leave(&mut self) {
+        self.trail.0.pop();
+        if let Some(line) = self.here.pop()
+            && line >= self.kept
+        {
+            // What came after it is below it, left already.
+            self.dirs.truncate(line);
+        }
+    }
+
     /// For an inode with several names: a later name becomes a link to the first one's copy (true).
     fn linked_to_copy(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<bool> {
         let key = (meta.st_dev, meta.st_ino);
-        if let Some(first) = self.links.get(&key) {
-            link_to(&self.dst_root, first, &top.dst, name)
-                .with_context(|| self.cannot_copy(name))?;
+        if let Some((line, first)) = self.links.get(&key) {
+            let route = self.route(*line, first);
+            link_to(&top.dst, &route, &top.dst, name).with_context(|| self.cannot_copy(name))?;
             return Ok(true);
         }
-        let mut names = self.trail.0.clone();
-        names.push(name.to_owned());
-        self.links.insert(key, names);
+        // This directory and those above it are kept: the way to this first copy.
+        self.kept = self.dirs.len();
+        let line = *self.here.last().expect("the top is there");
+        self.links.insert(key, (line, name.to_owned()));
         Ok(false)
+    }
+
+    /// The names from the directory being copied to `name` in the directory at `line`: up through
+    /// `..` to the nearest directory above both, then down.
+    fn route(&self, mut line: usize, name: &CStr) -> Vec<CString> {
+        let mut down = vec![name.to_owned()];
+        // `here` is in ascending order: a parent's line comes before its subdirectories'.
+        let above = loop {
+            match self.here.binary_search(&line) {
+                Ok(i) => break i,
+                Err(_) => {
+                    down.push(self.dirs[line].1.clone());
+                    line = self.dirs[line].0;
+                }
+            }
+        };
+        let mut route = vec![c"..".to_owned(); self.here.len() - 1 - above];
+        route.extend(down.into_iter().rev());
+        route
     }
 
     fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
@@ -476,6 +634,12 @@ impl TreeCopy<'_> {
         })
     }
 
+    /// The message of a failure to reopen a directory above the current one, or to close one.
+    fn cannot_climb(&self) -> String {
+        let at = self.trail.show(self.src, None);
+        format!("cannot go back up from {at}")
+    }
+
     /// The message of a failure to copy `name` of the current directory.
     fn cannot_copy(&self, name: &CStr) -> String {
         format!(
@@ -569,11 +733,21 @@ fn read_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<usize> {
     }
 }
 
+/// How much of a file's data is copied between two looks for a termination signal: a copy stops
+/// within one chunk, not once a file of many GiB is done, while it holds its locks.
+const CHUNK: u64 = 64 << 20;
+
+/// A termination signal, as the error of a data copy's step ([`crate::exec`] exits 128+N on it).
+fn stop_if_signalled() -> io::Result<()> {
+    crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))
+}
+
 /// Copies `len` bytes at `off` from `src` to the same offset of `dst` (in the kernel if it can).
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     let (end, mut pos) = (off + len, off);
     while pos < end {
-        let want = (end - pos).min(1 << 30) as usize;
+        stop_if_signalled()?;
+        let want = (end - pos).min(CHUNK) as usize;
         let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
         // The system call itself: std declares libc's symbol weak, and a static LTO build may then
         // call address 0.
@@ -592,7 +766,10 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
         match copied {
             // The source ended before the range did (it shrank under us).
             Ok(0) => return Ok(()),
-            Ok(n) => pos += n as u64,
+            Ok(n) => {
+                pos += n as u64;
+                crate::debug::pause("clone-data");
+            }
             Err(e)
                 if matches!(
                     e.raw_os_error(),
@@ -615,6 +792,8 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     use std::os::unix::fs::FileExt as _;
     let mut buf = vec![0u8; 1 << 20];
     while pos < end {
+        // Looks are cheap (at most one every few milliseconds asks the kernel).
+        stop_if_signalled()?;
         let chunk = (end - pos).min(buf.len() as u64) as usize;
         let n = match read_at(src, &mut buf[..chunk], pos)? {
             0 => return Ok(pos),
@@ -626,26 +805,31 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     Ok(pos)
 }
 
-/// A second name for the copy of a hard-linked inode, its first copy found from the copy's top. A
-/// directory on the way whose copy is done already has its final mode, which may keep even its
-/// owner out (000): the copy is ours alone while made, so the owner's search bit is set on it for
-/// the link and its mode put back after.
-fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
+/// A second name for the copy of a hard-linked inode, its first copy found by the names `first`
+/// (a route from `start`, `..` included). A directory on the way down whose copy is done already
+/// has its final mode, which may keep even its owner out (000): the copy is ours alone while made,
+/// so the owner's search bit is set on it for the link and its mode put back after. Only the
+/// nearest directory is held open: the way back to those lent is through `..`.
+fn link_to(start: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
-    let mut opened: Vec<(Dir, Option<libc::mode_t>)> = Vec::new();
+    // Each directory opened on the way: its device and inode, and its mode if lent the bit.
+    let mut way: Vec<((u64, u64), Option<libc::mode_t>)> = Vec::new();
+    let mut here: Option<Dir> = None;
     let linked = (|| {
         for p in parents {
-            let here = opened.last().map_or(dst_root, |(d, _)| d);
-            let sub = here.anchor_sub(OsStr::from_bytes(p.to_bytes()))?;
-            let mode = dir::fstat(&sub)?.st_mode & 0o7777;
+            let sub =
+                (here.as_ref().unwrap_or(start)).anchor_sub(OsStr::from_bytes(p.to_bytes()))?;
+            let st = dir::fstat(&sub)?;
+            let mode = st.st_mode & 0o7777;
             let lent = (mode & 0o100 == 0).then_some(mode);
             if lent.is_some() {
                 dir::chmod_o_path(sub.as_raw_fd(), mode | 0o100)?;
             }
-            opened.push((sub, lent));
+            way.push(((st.st_dev, st.st_ino), lent));
+            here = Some(sub);
         }
-        let parent = opened.last().map_or(dst_root, |(d, _)| d);
         // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
+        let parent = here.as_ref().unwrap_or(start);
         Ok(linkat(
             parent,
             last.as_c_str(),
@@ -654,12 +838,40 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
             AtFlags::empty(),
         )?)
     })();
-    for (d, lent) in opened.iter().rev() {
-        if let Some(mode) = lent {
-            dir::chmod_o_path(d.as_raw_fd(), *mode)?;
-        }
+    let first_lent = way.iter().position(|(_, lent)| lent.is_some());
+    if let (Some(nearest), Some(i)) = (here, first_lent) {
+        give_back_search(nearest, &way[i..])?;
     }
     linked
+}
+
+/// Puts back the modes of the directories `way` (each its device, inode and mode if lent), the
+/// last one `nearest` and each the one below the one before: the routes' `..` are all above the
+/// first, which is lent.
+fn give_back_search(nearest: Dir, way: &[((u64, u64), Option<libc::mode_t>)]) -> io::Result<()> {
+    let mut here = nearest;
+    for (i, (_, lent)) in way.iter().enumerate().rev() {
+        // The way up before the mode goes: `..` needs the search bit.
+        let up = match i.checked_sub(1) {
+            Some(above) => {
+                let up = here.anchor_sub("..")?;
+                let st = dir::fstat(&up)?;
+                if (st.st_dev, st.st_ino) != way[above].0 {
+                    return Err(io::Error::other("the copy was moved while being linked"));
+                }
+                Some(up)
+            }
+            None => None,
+        };
+        if let Some(mode) = lent {
+            dir::chmod_o_path(here.as_raw_fd(), *mode)?;
+        }
+        match up {
+            Some(up) => here = up,
+            None => break,
+        }
+    }
+    Ok(())
 }
 
 /// Where attributes are read or set: an open file, or a name in a directory (not opened).
@@ -677,15 +889,19 @@ fn set_attrs(
     at: &dyn Fn() -> String,
 ) -> io::Result<()> {
     let (uid, gid) = (Uid::from_raw(meta.st_uid), Gid::from_raw(meta.st_gid));
-    let r = match &dst {
-        Target::Fd(fd) => fchown(fd, Some(uid), Some(gid)),
-        Target::At(d, n) => fchownat(d, *n, Some(uid), Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW),
+    let chown = |uid| match &dst {
+        Target::Fd(fd) => fchown(fd, uid, Some(gid)),
+        Target::At(d, n) => fchownat(d, *n, uid, Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW),
     };
-    // An unprivileged user cannot give files away: keep our own.
-    if let Err(e) = r
-        && e != Errno::EPERM
-    {
-        return Err(e.into());
+    // An unprivileged user cannot give files away, but may give them a group of theirs: a group
+    // store's base keeps its group, which its other members need to write and remove the copy.
+    // Refused that too, the group stays the one it was made with (the setgid top's).
+    match chown(Some(uid)).or_else(|e| match e {
+        Errno::EPERM => chown(None),
+        e => Err(e),
+    }) {
+        Ok(()) | Err(Errno::EPERM) => {}
+        Err(e) => return Err(e.into()),
     }
     if dir::file_type(meta) != libc::S_IFLNK {
         // After chown, which clears setuid/setgid bits.
@@ -736,11 +952,39 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
     cvt(r).map(drop)
 }
 
+fn remove_xattr(t: &Target, key: &CStr) -> io::Result<()> {
+    // SAFETY: valid C strings.
+    let r = match t {
+        Target::Fd(fd) => unsafe { libc::fremovexattr(fd.as_raw_fd(), key.as_ptr()) },
+        Target::At(d, name) => {
+            let path = d.proc_path(name);
+            unsafe { libc::lremovexattr(path.as_ptr(), key.as_ptr()) }
+        }
+    };
+    cvt(r).map(drop)
+}
+
 /// Copies every extended attribute the source has and the target accepts; counts the refusals. One
-/// the target has already (a label the filesystem gave it) is left alone.
+/// the target has already (a label the filesystem gave it) is left alone, but not an ACL the source
+/// lacks: a new file inherits its directory's default ACL (one set on the images directory).
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
+    let names = xattr(src, None);
+    let keys = |list: &[u8]| -> Vec<Vec<u8>> {
+        let keys = list.split(|b| *b == 0).filter(|k| !k.is_empty());
+        keys.map(<[u8]>::to_vec).collect()
+    };
+    let theirs = keys(names.as_deref().unwrap_or_default());
+    for acl in keys(&xattr(dst, None).unwrap_or_default()) {
+        if acl.starts_with(b"system.posix_acl_")
+            && !theirs.contains(&acl)
+            && let Ok(acl) = CString::new(acl)
+        {
+            // Our own new file: nothing refuses it but a filesystem without ACLs, which has none.
+            let _ = remove_xattr(dst, &acl);
+        }
+    }
     // No extended attributes here at all, or none readable.
-    let Ok(names) = xattr(src, None) else { return };
+    let Ok(names) = names else { return };
     for key in names.split(|b| *b == 0).filter(|k| !k.is_empty()) {
         let Ok(key) = CString::new(key) else { continue };
         let result = xattr(src, Some(&key)).and_then(|value| {
@@ -839,7 +1083,7 @@ mod tests {
         );
         let mut loans = Loans::take(d.path().join("lend"), &s, None).unwrap();
         let bar = &mut Bar::new(String::new(), false);
-        let out = copy_tree_at((s, &src), (t, &dst), &mut loans, bar).unwrap();
+        let out = copy_tree_at((s, &src), (t, &dst), &mut loans, bar, &mut false).unwrap();
         assert_eq!(out.files, 2);
 
         let a = fs::metadata(dst.join("bin/tool")).unwrap();

@@ -9,8 +9,8 @@
 //!   which must be the directory left, so a tree moved mid-walk stops the walk.
 //! - Nor does it delete a directory its caller's [`Keep`] says a store uses (a claimed images
 //!   directory, a root): it stops there.
-//! - The walks that copy and measure trees go the same way, at any depth; paths exist only for
-//!   messages, bounded ([`Trail::show`]).
+//! - The walks that copy and measure trees go the same way, at any depth, as few descriptors
+//!   held; paths exist only for messages, bounded ([`Trail::show`]).
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
@@ -162,6 +162,19 @@ impl Dir {
 
     pub fn stat(&self) -> io::Result<Entry> {
         Ok(entry(&fstat(self)?))
+    }
+
+    /// The directory above this one through `..`, which must be `id` (device, inode), the one a
+    /// walk came down from: else the tree moved under the walk (being `what`), which stops.
+    pub fn parent_checked(&self, id: (u64, u64), what: &str) -> io::Result<Dir> {
+        let up = self.sub("..")?;
+        let st = fstat(&up)?;
+        if (st.st_dev, st.st_ino) != id {
+            return Err(io::Error::other(format!(
+                "the tree was moved while being {what}; stopped"
+            )));
+        }
+        Ok(up)
     }
 
     /// Every field of `name`'s lstat, for the walks that copy and measure trees.
@@ -320,21 +333,28 @@ impl Dir {
             Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => e,
             other => return other,
         };
-        let Ok(top) = self.anchor_sub(name) else {
+        let Some(lent) = self.lend_owner(name, 0o200) else {
             return Err(refused);
         };
-        let mode = match top.stat() {
-            Ok(st) if st.uid == me() && st.mode & 0o200 == 0 => (st.mode & 0o7777) as libc::mode_t,
-            _ => return Err(refused),
-        };
-        if chmod_o_path(top.as_raw_fd(), mode | 0o200).is_err() {
-            return Err(refused);
-        }
         let moved = self.rename_to(name, to, to_name);
         if moved.is_err() {
-            let _ = chmod_o_path(top.as_raw_fd(), mode);
+            lent.give_back();
         }
         moved
+    }
+
+    /// Lends owner permission `bits` to the directory `name`, one of ours that lacks some of them
+    /// (an image's `/` of mode 555), through an `O_PATH|O_NOFOLLOW` descriptor (the owner may chmod
+    /// what it may not write); `None` if not ours or not lent.
+    pub fn lend_owner(&self, name: impl AsRef<OsStr>, bits: libc::mode_t) -> Option<Loan> {
+        let top = self.anchor_sub(name).ok()?;
+        let st = top.stat().ok()?;
+        let mode = (st.mode & 0o7777) as libc::mode_t;
+        if st.uid != me() || mode & bits == bits {
+            return None;
+        }
+        chmod_o_path(top.as_raw_fd(), mode | bits).ok()?;
+        Some(Loan { top, mode })
     }
 
     /// Renames `name` aside here as `NAME.WHY-TIME` (`-N` added while taken), never over an
@@ -531,8 +551,9 @@ impl Dir {
     }
 
     /// Deletes the entry `name` whatever it is: a tree is emptied and removed (see the module doc),
-    /// anything else unlinked. A missing entry is not an error. `removed` counts what was deleted,
-    /// so a caller can tell a failure before anything went from one half-way.
+    /// anything else unlinked. A missing entry is not an error. `removed` counts what was deleted or
+    /// lent owner access (a change too), so a caller can tell a failure before anything changed from
+    /// one half-way.
     pub fn remove_entry(
         &self,
         name: impl AsRef<OsStr>,
@@ -541,7 +562,8 @@ impl Dir {
     ) -> io::Result<()> {
         let name = name.as_ref();
         let shown = || "the directory".to_owned();
-        let Some(top) = self.open_to_empty(name, None, removed, &|e| e, &shown)? else {
+        let in_dir = |e| explain_refusal(e, &[(self, None, DELETE_IN, "the directory holding it")]);
+        let Some(top) = self.open_to_empty(name, None, removed, &in_dir, &shown)? else {
             return Ok(());
         };
         // The walk checks for mounts below the top; one at the top itself is caught here.
@@ -589,6 +611,7 @@ impl Dir {
                 let path = self.anchor_sub(name)?;
                 let st = path.stat()?;
                 chmod_o_path(path.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _).map_err(|_| e)?;
+                *removed += 1;
                 self.sub(name)
             })(),
             other => other,
@@ -620,6 +643,19 @@ impl Dir {
     }
 }
 
+/// Owner permission lent to a directory by [`Dir::lend_owner`]: its mode to give back.
+pub struct Loan {
+    top: Dir,
+    mode: libc::mode_t,
+}
+
+impl Loan {
+    /// Puts the directory's mode back as it was.
+    pub fn give_back(self) {
+        let _ = chmod_o_path(self.top.as_raw_fd(), self.mode);
+    }
+}
+
 fn mount_point(name: &OsStr) -> io::Error {
     io::Error::other(format!(
         "{} is a mount point; unmount it first (nothing is deleted across a mount)",
@@ -638,8 +674,9 @@ fn entry(st: &libc::stat) -> Entry {
     }
 }
 
-/// Levels of a walk that keep their descriptor open; deeper ones are reopened through `..`.
-const OPEN_LEVELS: usize = 16;
+/// Levels of a walk that keep their descriptors open (the deepest); the others are closed, and
+/// reopened through `..` ([`Dir::parent_checked`]) on the way back: a walk holds few at any depth.
+pub const OPEN_LEVELS: usize = 16;
 
 /// How often a directory is relisted while entries keep appearing in it (a process still writing).
 const RELISTS: u32 = 8;
@@ -659,7 +696,7 @@ fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
     let st = top.stat()?;
     let mount = top.mount_id()?;
     let shown = || "the directory".to_owned();
-    let mut stack = vec![Level::enter(top, &st, &shown, keep)?];
+    let mut stack = vec![Level::enter(top, &st, &shown, keep, removed)?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
@@ -686,7 +723,13 @@ fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
 impl Level {
     /// The directory `dir` (its stat `st`; `shown` names it), made writable and listed: a level to
     /// empty, its name in its parent still to be set.
-    fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String, keep: Keep) -> io::Result<Level> {
+    fn enter(
+        dir: Dir,
+        st: &Entry,
+        shown: &dyn Fn() -> String,
+        keep: Keep,
+        removed: &mut u64,
+    ) -> io::Result<Level> {
         if let Some(why) = keep(&dir) {
             let shown = shown();
             return Err(io::Error::other(format!(
@@ -694,11 +737,10 @@ impl Level {
             )));
         }
         // A read-only directory inside an image gets owner access; a failure shows in the unlinks.
+        // A change to the tree as much as an unlink: counted.
         if st.mode & 0o700 != 0o700 {
-            let _ = stat::fchmod(
-                &dir,
-                stat::Mode::from_bits_retain((st.mode & 0o7777) | 0o700),
-            );
+            let mode = stat::Mode::from_bits_retain((st.mode & 0o7777) | 0o700);
+            *removed += u64::from(stat::fchmod(&dir, mode).is_ok());
         }
         let pending = dir
             .names()
@@ -794,15 +836,8 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     let done = stack.pop().expect("depth > 1");
     let parent = stack.last_mut().expect("depth > 1");
     if parent.dir.is_none() {
-        // Back through `..`, which must be the directory left: else the tree moved, and we stop.
-        let up = done.dir.as_ref().expect("open").sub("..")?;
-        let id = up.stat()?;
-        if (id.dev, id.ino) != parent.id {
-            return Err(io::Error::other(
-                "the tree was moved while being deleted; stopped",
-            ));
-        }
-        parent.dir = Some(up);
+        let done = done.dir.as_ref().expect("open");
+        parent.dir = Some(done.parent_checked(parent.id, "deleted")?);
     }
     drop(done.dir);
     let pdir = parent.dir.as_ref().expect("reopened above");
@@ -862,7 +897,7 @@ fn remove_or_open(
     if sst.dev != dev || (mount.is_some() && sub.mount_id()? != mount) {
         return Err(mount_point(&name));
     }
-    let mut level = Level::enter(sub, &sst, &there, keep)?;
+    let mut level = Level::enter(sub, &sst, &there, keep, removed)?;
     level.name = name;
     Ok(Some(level))
 }
@@ -902,7 +937,7 @@ impl Trail {
 static GIVEN_OPEN_FILES: std::sync::OnceLock<(rlim_t, rlim_t)> = std::sync::OnceLock::new();
 
 /// Raises the soft limit on open files to the hard one for the whole run, once, at start: a command
-/// may hold a descriptor per image (rm, exec, gc, doctor, the listings), a deep walk two per level.
+/// may hold a descriptor per image (rm, exec, gc, doctor, the listings), a walk two per open level.
 /// What stowage starts gets the limit it was given ([`with_given_open_files`]).
 pub fn raise_open_files() {
     let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {

@@ -9,10 +9,11 @@
 //!   own (FIEMAP names no other owner); an inode named outside the store is never freed.
 //! - Extent maps are read after the file's dirty data is written back (`FIEMAP_FLAG_SYNC`):
 //!   before, btrfs maps a rewritten range to the old extent it shared.
-//! - The walk goes by directory descriptor ([`crate::dir`]).
+//! - The walk goes by directory descriptor ([`crate::dir`]), with at most
+//!   [`dir::OPEN_LEVELS`] open at any depth.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{CStr, OsStr};
+use std::ffi::{CStr, CString, OsStr};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
@@ -104,7 +105,7 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         out.allocated += blocks;
         let mut shared = 0;
         if extents && ft == libc::S_IFREG && blocks > 0 {
-            shared = shared_extents(parent, name, &mut ranges).min(blocks);
+            shared = shared_extents(parent, name, &mut ranges)?.min(blocks);
             out.shared += shared;
         }
         // An inode with several names is a unit another image may name too; what of it is in
@@ -156,14 +157,14 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     visit(&top, c".", &st)?;
     let names = top.entries().map_err(at_top)?;
     let mut trail = Trail::default();
-    let mut stack = vec![(top, names.into_iter())];
+    let mut stack = vec![(Some(top), (st.st_dev, st.st_ino), names.into_iter())];
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
     let mut whole = true;
-    while let Some((d, names)) = stack.last_mut() {
+    while let Some((d, _, names)) = stack.last_mut() {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
+        let d = d.as_ref().expect("the deepest levels are open");
         let Some(name) = names.next() else {
-            stack.pop();
-            trail.0.pop();
+            climb(&mut stack, &mut trail).map_err(at_top)?;
             continue;
         };
         let bounded = |e: io::Error, trail: &Trail, name: &CStr| {
@@ -175,8 +176,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
             // A directory we may list but not search (mode 600): its inside is not seen.
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
                 whole = false;
-                stack.pop();
-                trail.0.pop();
+                climb(&mut stack, &mut trail).map_err(at_top)?;
                 continue;
             }
             Err(e) => return Err(bounded(e, &trail, &name)),
@@ -215,10 +215,27 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
                 Err(e) => return Err(bounded(e, &trail, &name)),
             };
             trail.0.push(name);
-            stack.push((sub, names.into_iter()));
+            stack.push((Some(sub), (st.st_dev, st.st_ino), names.into_iter()));
+            if let Some(i) = stack.len().checked_sub(dir::OPEN_LEVELS + 1) {
+                stack[i].0 = None;
+            }
         }
     }
     Ok(whole)
+}
+
+/// A level of [`walk`]: its directory (closed far above the deepest), its identity, its names left.
+type Level = (Option<Dir>, (u64, u64), std::vec::IntoIter<CString>);
+
+/// Leaves the deepest level of a walk for the one above, reopened through `..` if it was closed.
+fn climb(stack: &mut Vec<Level>, trail: &mut Trail) -> io::Result<()> {
+    let (done, ..) = stack.pop().expect("not empty");
+    trail.0.pop();
+    if let Some((up @ None, id, _)) = stack.last_mut() {
+        let done = done.expect("the deepest level is open");
+        *up = Some(done.parent_checked(*id, "measured")?);
+    }
+    Ok(())
 }
 
 // The FIEMAP ioctl (linux/fiemap.h).
@@ -254,11 +271,12 @@ struct Fiemap {
 }
 
 /// Bytes of `name`'s extents flagged shared (0 if it cannot be mapped); ranges go to `ranges`.
-fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
+/// Only a termination signal fails it: a file of a million extents takes thousands of calls.
+fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> io::Result<u64> {
     let flags =
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY;
     let Ok(file) = parent.open_at(name, flags, 0) else {
-        return 0;
+        return Ok(0);
     };
     let mut map: Box<Fiemap> = Box::new(Fiemap {
         start: 0,
@@ -274,13 +292,14 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
     let mut shared = 0u64;
     let fd = file.as_raw_fd();
     loop {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         // SAFETY: `map` is a fiemap header followed by room for extent_count extents, as required.
         if unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut *map as *mut Fiemap) } != 0 {
-            return shared;
+            return Ok(shared);
         }
         let n = (map.mapped_extents as usize).min(EXTENTS_PER_CALL);
         if n == 0 {
-            return shared;
+            return Ok(shared);
         }
         let mut last = false;
         for e in &map.extents[..n] {
@@ -294,7 +313,7 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
         }
         let e = map.extents[n - 1];
         if last || n < EXTENTS_PER_CALL {
-            return shared;
+            return Ok(shared);
         }
         map.start = e.logical.saturating_add(e.length);
         map.length = u64::MAX - map.start;

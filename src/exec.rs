@@ -129,9 +129,16 @@ fn copy_base(
             return Err(e);
         }
     };
-    if let Err(e) = session.clone_into(store, opened, base, target) {
-        let failed = Outcome::Failure("the copy from its base failed".into());
-        let _ = session.finish(store, failed);
+    let mut changed = false;
+    if let Err(e) = session.clone_into(store, opened, base, target, &mut changed) {
+        // Failed before anything of the image changed (its tree not ours to empty, no descriptor
+        // left to open it): undone as above. Else the image is incomplete.
+        if changed {
+            let failed = Outcome::Failure("the copy from its base failed".into());
+            let _ = session.finish(store, failed);
+        } else {
+            session.abandon()?;
+        }
         // Stopped by a termination signal (even noticed inside an I/O error): exit 128+N.
         if let Some(sig) = crate::signals::cancelled()
             && error::typed(&e).is_none()

@@ -22,6 +22,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt as _;
 use std::path::PathBuf;
+use std::rc::Rc;
 
 use anyhow::{Context, Result};
 
@@ -36,6 +37,8 @@ pub struct Loans {
     guard: Option<Guard>,
     /// The base as a wait says it; `None`: quiet.
     shown: Option<String>,
+    /// The journal as loans share it (one descriptor however many are out), held exclusively.
+    lending: Option<Rc<File>>,
 }
 
 /// How long a wait for the lend lock goes on before it is said.
@@ -43,21 +46,36 @@ const NOTICE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A loan on one inode: its mode is put back, then its journal line cut off, when dropped.
 pub struct Lent {
-    fd: OwnedFd,
+    /// The inode; `None` while detached, when its loan outlives this only in the journal.
+    fd: Option<OwnedFd>,
     mode: libc::mode_t,
-    journal: File,
+    journal: Rc<File>,
     /// The journal's length before this loan's line.
     at: u64,
 }
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if dir::chmod_o_path(self.fd.as_raw_fd(), self.mode).is_ok() {
+        let Some(fd) = &self.fd else { return };
+        if dir::chmod_o_path(fd.as_raw_fd(), self.mode).is_ok() {
             let _ = self
                 .journal
                 .set_len(self.at)
                 .and_then(|()| self.journal.sync_data());
         }
+    }
+}
+
+impl Lent {
+    /// Closes the inode's descriptor, the mode still lent (a walk keeps few open): unless
+    /// [`Lent::reattach`]ed, the loan is given back from its journal line only.
+    pub fn detach(&mut self) {
+        self.fd = None;
+    }
+
+    /// Takes up the inode again by `fd`, which the caller checked is the very one.
+    pub fn reattach(&mut self, fd: OwnedFd) {
+        self.fd = Some(fd);
     }
 }
 
@@ -72,6 +90,7 @@ impl Loans {
             top,
             guard: None,
             shown,
+            lending: None,
         };
         loans.lock(Mode::Shared)?;
         if loans.journal()?.metadata()?.len() > 0 {
@@ -83,7 +102,7 @@ impl Loans {
     /// Lets go of the lock held, waits for it in `mode`, and held exclusively restores what is
     /// journaled.
     fn lock(&mut self, mode: Mode) -> Result<()> {
-        self.guard = None;
+        (self.guard, self.lending) = (None, None);
         let shown = self.path.display();
         let dir = self.path.parent().unwrap_or(self.path.as_path());
         let mut wait = Wait::on(dir, None);
@@ -145,7 +164,11 @@ impl Loans {
         {
             return Err(io::Error::other("a loan without the lend lock"));
         }
-        let journal = self.journal()?.try_clone()?;
+        let journal = match &self.lending {
+            Some(j) => j.clone(),
+            None => Rc::new(self.journal()?.try_clone()?),
+        };
+        self.lending = Some(journal.clone());
         let at = journal.metadata()?.len();
         if at == 0 {
             // The lend file's name must outlive a crash as its lines do.
@@ -162,7 +185,7 @@ impl Loans {
             return Err(e);
         }
         Ok(Lent {
-            fd: path,
+            fd: Some(path),
             mode,
             journal,
             at,

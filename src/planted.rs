@@ -298,6 +298,11 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
         "its group may not read it".to_owned()
     } else if let Some(p) = acl_short(path, false, dir) {
         format!("its ACL gives its group only {}", rwx(p))
+    } else if let Some((me, p)) = acl_short_users(path, false, dir)
+        .into_iter()
+        .find(|&(u, _)| u == nix::unistd::geteuid().as_raw())
+    {
+        format!("its ACL gives you (uid {me}) only {}", rwx(p))
     } else {
         "it is not open to its group".to_owned()
     };
@@ -306,13 +311,23 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
     ))
 }
 
+/// Why a user outside group `gid` may not use its group store, and what to do.
+pub fn not_a_member(gid: u32) -> String {
+    let (label, doc) = (
+        crate::ident::group_label(gid),
+        crate::error::GROUP_STORE_DOC,
+    );
+    format!(
+        "you are not in group {label}, whose store this is: ask its owner to add you to that group ({doc})"
+    )
+}
+
 /// The extended attribute holding an access ACL.
 pub const ACCESS_ACL: &std::ffi::CStr = c"system.posix_acl_access";
 
-/// What the access ACL of `path` (followed if `follow`) lets a group store's group do (0o7: rwx),
-/// where that is less than a part needs: read and write, and search on a directory (`dir`). With
-/// an ACL, the mode's group bits show the ACL's mask, not the group's due.
-pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
+/// The entries of the access ACL of `path` (followed if `follow`): tag, permissions (0o7: rwx),
+/// id; `None` where it has none (or it cannot be read).
+fn acl_entries(path: &Path, follow: bool) -> Option<Vec<(u16, u32, u32)>> {
     let c = cstr(path.as_os_str()).ok()?;
     let get = if follow {
         libc::getxattr
@@ -331,10 +346,61 @@ pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
     };
     // A version, then entries of 8 bytes: tag and permissions (u16 each), id (u32).
     let acl = buf.get(4..usize::try_from(n).ok()?)?;
-    let group = acl.chunks_exact(8).find(|e| e[..2] == 4u16.to_le_bytes())?;
-    let perms = u32::from(u16::from_le_bytes([group[2], group[3]])) & 7;
-    let need = if dir { 7 } else { 6 };
-    (perms & need != need).then_some(perms)
+    let entries = acl.chunks_exact(8).map(|e| {
+        let perms = u32::from(u16::from_le_bytes([e[2], e[3]])) & 7;
+        let id = u32::from_le_bytes([e[4], e[5], e[6], e[7]]);
+        (u16::from_le_bytes([e[0], e[1]]), perms, id)
+    });
+    Some(entries.collect())
+}
+
+/// An ACL's tags: the owning group's entry, and a named user's.
+const ACL_GROUP_OBJ: u16 = 4;
+const ACL_USER: u16 = 2;
+
+/// What a part needs: read and write, and search on a directory (`dir`).
+fn needs(dir: bool) -> u32 {
+    if dir { 7 } else { 6 }
+}
+
+/// What the access ACL of `path` (followed if `follow`) lets a group store's group do (0o7: rwx),
+/// where that is less than a part needs: read and write, and search on a directory (`dir`). With
+/// an ACL, the mode's group bits show the ACL's mask, not the group's due.
+pub fn acl_short(path: &Path, follow: bool, dir: bool) -> Option<u32> {
+    let group = acl_entries(path, follow)?
+        .into_iter()
+        .find(|e| e.0 == ACL_GROUP_OBJ)?;
+    (group.1 & needs(dir) != needs(dir)).then_some(group.1)
+}
+
+/// The users the access ACL of `path` (followed if `follow`) names and gives less than a part
+/// needs, with what it gives them: a named user's entry is theirs alone, so a member it names is
+/// kept out whatever the group may do.
+pub fn acl_short_users(path: &Path, follow: bool, dir: bool) -> Vec<(u32, u32)> {
+    let entries = acl_entries(path, follow).unwrap_or_default().into_iter();
+    let short = entries.filter(|e| e.0 == ACL_USER && e.1 & needs(dir) != needs(dir));
+    short.map(|(_, perms, uid)| (uid, perms)).collect()
+}
+
+/// Takes the named users [`acl_short_users`] finds out of the access ACL of `path` (followed: a
+/// descriptor's `/proc` name), the rest kept: they get what the group gets.
+pub fn drop_short_users(path: &Path, dir: bool) -> io::Result<()> {
+    let c = cstr(path.as_os_str())?;
+    let Some(entries) = acl_entries(path, true) else {
+        return Ok(());
+    };
+    let mut acl = 2u32.to_le_bytes().to_vec();
+    for (tag, perms, id) in entries {
+        if tag == ACL_USER && perms & needs(dir) != needs(dir) {
+            continue;
+        }
+        acl.extend(tag.to_le_bytes());
+        acl.extend((perms as u16).to_le_bytes());
+        acl.extend(id.to_le_bytes());
+    }
+    let (v, n) = (acl.as_ptr().cast(), acl.len());
+    // SAFETY: C strings of ours; the value pointer and length describe `acl`.
+    cvt(unsafe { libc::setxattr(c.as_ptr(), ACCESS_ACL.as_ptr(), v, n, 0) }).map(drop)
 }
 
 /// "r-x" for 0o5.

@@ -324,8 +324,12 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
 fn trash_entry_name(root: &Root, enc: &str) -> String {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let (now, seq) = (clock::now_ms(), SEQ.fetch_add(1, Ordering::Relaxed));
-    // Names are ASCII; 80 of them keep the whole within NAME_MAX beside a lease's name.
-    let short = &enc[..enc.len().min(80)];
+    // 80 bytes keep the whole within NAME_MAX beside a lease's name; cut where a character ends (a
+    // leftover planted in the trash, taken over, may name anything).
+    let cut = (0..=enc.len().min(80))
+        .rev()
+        .find(|&i| enc.is_char_boundary(i));
+    let short = &enc[..cut.unwrap_or(0)];
     match crate::lease::introduce(&root.leases()) {
         Ok(lease) => format!("{lease}{OWNER_END}{now}.{seq}.{short}"),
         Err(_) => format!("{now}.{:016x}.{seq}.{short}", crate::ident::nonce()),
@@ -378,8 +382,40 @@ fn trash_there(trash: &Dir) -> bool {
 }
 
 /// Empties an image's directory in `images` (the images directory `images_dir`, opened) without
-/// following links in it (`exec --from` rebuilding from base).
-pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Result<()> {
+/// following links in it (`exec --from` rebuilding from base). `removed` counts what was deleted:
+/// a failure before anything went leaves the image as it was.
+pub fn empty_image_dir(
+    images: &Dir,
+    images_dir: &Path,
+    name: &ImageName,
+    removed: &mut u64,
+) -> Result<()> {
+    let shown = images_dir.join(name.encoded());
+    let shown = shown.display();
+    // A walk never crosses into another mount below its top; the top itself is asked here, before
+    // anything (its mode too) is changed.
+    let top = (images.sub(name.encoded())).with_context(|| format!("cannot open {shown}"))?;
+    if top
+        .is_mount_root()
+        .with_context(|| format!("cannot look at {shown}"))?
+    {
+        anyhow::bail!(
+            "cannot empty {shown}: it is a mount point; unmount it first (nothing is deleted across a mount)"
+        );
+    }
+    drop(top);
+    // A top its owner left without owner access (an image's `/` of mode 555) is lent it while
+    // emptied, as for a removal's move; its mode is given back whatever happens.
+    let lent = images.lend_owner(name.encoded(), 0o700);
+    let emptied = empty_top(images, images_dir, name, removed);
+    if let Some(lent) = lent {
+        lent.give_back();
+    }
+    emptied
+}
+
+/// [`empty_image_dir`], its top's mode as it is.
+fn empty_top(images: &Dir, images_dir: &Path, name: &ImageName, removed: &mut u64) -> Result<()> {
     let path = images_dir.join(name.encoded());
     let dir =
         (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
@@ -391,7 +427,7 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
     let names = dir.names();
     for entry in names.with_context(|| format!("cannot list {shown}"))? {
         crate::signals::check()?;
-        dir.remove_entry(&entry, &mut 0, &in_use_by_a_store)
+        dir.remove_entry(&entry, removed, &in_use_by_a_store)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }
     Ok(())

@@ -29,6 +29,9 @@ pub struct Root {
     opened: std::sync::Arc<std::sync::OnceLock<(Dir, u64)>>,
     /// That descriptor's identity: its inode's, fixed for its life.
     identity: std::sync::Arc<std::sync::OnceLock<String>>,
+    /// A descriptor kept in reserve from before this process may create a lock file: a start that
+    /// fails out of descriptors lets it go to open the directory it unlinks that file from.
+    spare: std::sync::Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>,
 }
 
 /// What the image lock files tell of the release that used a store last ([`Root::records_tell`]).
@@ -350,12 +353,36 @@ impl Root {
         let parent = parent.to_str().with_context(|| {
             format!("lock file {} has a name that is not UTF-8", path.display())
         })?;
-        let dir = self.open_sub(parent)?;
+        let dir = match self.open_sub(parent) {
+            // Out of descriptors (a start failed for it): the spare makes room for this one,
+            // the directory opened by its path as the lock file was, in one step.
+            Err(e) if out_of_descriptors(&e) && self.let_go_spare() => {
+                Dir::open_in_root(&self.dir.join(parent))?
+            }
+            other => other?,
+        };
         let (dev, ino) = guard.identity();
         crate::lock::mark_gone(guard.file())
             .with_context(|| format!("cannot mark {} gone before unlinking it", path.display()))?;
         dir.unlink_if(file, dev, ino)
             .with_context(|| format!("cannot unlink {}", path.display()))
+    }
+
+    /// Keeps a spare descriptor (see `spare`) if none is kept yet: a duplicate of stderr's, which
+    /// is always open (the runtime opens `/dev/null` for a closed one), asking no filesystem.
+    pub fn keep_spare(&self) -> io::Result<()> {
+        use std::os::fd::AsFd;
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.is_none() {
+            *spare = Some(io::stderr().as_fd().try_clone_to_owned()?);
+        }
+        Ok(())
+    }
+
+    /// Lets the spare descriptor go: whether one was kept.
+    fn let_go_spare(&self) -> bool {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        spare.take().is_some()
     }
 
     /// The image has no record any more: its lock file is emptied (synced) and unlinked where
@@ -584,6 +611,12 @@ impl Root {
             && !self.older_release_left()
         {
             self.create_config(&root).1?;
+        }
+        // The locks gc needs are made with the layout: made first when needed, a filesystem out of
+        // inodes left gc unable to run (`store.lock` is not: a new image's write asks it if there).
+        let (shared, create) = (crate::lock::Mode::Shared, crate::lock::IfMissing::Create);
+        for lock in [self.global_lock(), self.gc_lock()] {
+            drop(crate::lock::acquire_no_wait(&lock, shared, create));
         }
         crate::space::refill(&self.reserve());
         Ok(())
@@ -929,6 +962,10 @@ impl Root {
         // repairs only it can make. Another user's private store stays theirs, root's too.
         let group_writable = mode & 0o020 != 0;
         let shared = group_writable && (crate::ident::in_group(gid) || euid == 0);
+        if uid != euid && uid != 0 && group_writable && !shared {
+            let why = crate::planted::not_a_member(gid);
+            anyhow::bail!("root {root} belongs to uid {uid}: {why}");
+        }
         if uid != euid && uid != 0 && !shared {
             anyhow::bail!(
                 "root {root} belongs to uid {uid} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)"
@@ -1082,6 +1119,12 @@ fn denied_in_store(path: &Path, e: io::Error, what: &str) -> anyhow::Error {
 
 /// "PATH is a symlink, not a directory; refusing to use it", and what to do, for the errors an
 /// `O_NOFOLLOW|O_DIRECTORY` open gives for what is planted in a directory's place.
+/// Whether `e` is this process running out of descriptors.
+fn out_of_descriptors(e: &anyhow::Error) -> bool {
+    let io = e.root_cause().downcast_ref::<io::Error>();
+    io.is_some_and(|e| e.raw_os_error() == Some(libc::EMFILE))
+}
+
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     if e.raw_os_error() == Some(libc::EACCES) {
         return denied_in_store(path, e, "open");

@@ -386,19 +386,32 @@ impl Session {
 
     /// Makes the written image `target` a copy of `base`, emptied first. Both ends are opened from
     /// one descriptor of the images directory: a link swapped in above them cannot move the copy.
+    /// On failure, `changed` says whether anything of `target`'s tree changed first.
     pub fn clone_into(
         &self,
         store: &Store,
         (images, s): (Dir, Dir),
         base: &ImageName,
         target: &ImageName,
+        changed: &mut bool,
     ) -> Result<()> {
         use std::io::IsTerminal;
         let images_dir = &self.images_dir;
         let src = images_dir.join(base.encoded());
         let dst = images_dir.join(target.encoded());
         let cannot = || format!("cannot copy image '{base}' to '{target}'");
-        crate::remove::empty_image_dir(&images, images_dir, target).with_context(cannot)?;
+        // A base that is a mount point is no tree of the images directory (it may even hold it).
+        if s.is_mount_root().with_context(cannot)? {
+            anyhow::bail!(
+                "{}: {} is a mount point; a copy takes nothing across a mount (unmount it first)",
+                cannot(),
+                src.display()
+            );
+        }
+        let mut removed = 0;
+        let emptied = crate::remove::empty_image_dir(&images, images_dir, target, &mut removed);
+        *changed = removed > 0;
+        emptied.with_context(cannot)?;
         crate::debug::pause("clone-emptied");
         // The directory opened before is still the one at its path (the builder gets that path).
         let now = store
@@ -417,7 +430,7 @@ impl Session {
         let ctx = store.ctx();
         let show = std::io::stderr().is_terminal() && !ctx.quiet;
         let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-        make_ours(&images, target, &dst).with_context(cannot)?;
+        make_ours(&images, target, &dst, changed).with_context(cannot)?;
         let d = (images.sub(target.encoded()))
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
@@ -426,41 +439,10 @@ impl Session {
         let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s, shown)
             .with_context(|| format!("image '{base}'"))
             .with_context(cannot)?;
-        let done = crate::clone::copy_tree_at((s, &src), (d, &dst), &mut loans, &mut bar)
-            .with_context(cannot)?;
+        let done = crate::clone::copy_tree_at((s, &src), (d, &dst), &mut loans, &mut bar, changed);
         drop(loans);
-        let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
-        ctx.detail(&format!(
-            "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
-            crate::disk_usage::human(done.bytes),
-            done.reflinked,
-            t0.elapsed().as_secs_f64()
-        ));
-        for m in &done.mounts_left_out {
-            ctx.say(&format!(
-                "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
-            ));
-        }
-        if done.worktree_link_left_out {
-            ctx.detail(&format!(
-                "image '{target}': /.git of '{base}' not copied: it links '{base}' to a git worktree (a build cache's), which a copy must not claim"
-            ));
-        }
-        if done.skipped_special > 0 {
-            ctx.say(&format!(
-                "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
-                done.skipped_special
-            ));
-        }
-        if let Some(lost) = done.xattrs_summary() {
-            ctx.say(&format!(
-                "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
-                if ctx.verbose { "" } else { " (-v lists the files)" }
-            ));
-            for d in &done.xattr_details {
-                ctx.detail(&format!("  not kept: {d}"));
-            }
-        }
+        let done = done.with_context(cannot)?;
+        say_copied(ctx, (base, target), &done, t0);
         Ok(())
     }
 
@@ -1119,17 +1101,59 @@ impl Drop for Session {
 }
 
 /// Replaces the emptied tree of `target` by one of ours if another user made it (a group store): a
-/// copy makes its top ours alone while it is made (`clone::copy_tree_at` checks it got one).
-fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result<()> {
+/// copy makes its top ours alone while it is made (`clone::copy_tree_at` checks it got one). Once
+/// the tree is taken away, the image `changed`.
+fn make_ours(images: &Dir, target: &ImageName, dst: &Path, changed: &mut bool) -> Result<()> {
     let me = nix::unistd::geteuid().as_raw();
     if let Ok(Some(st)) = images.stat_at(target.encoded())
         && st.is_dir()
         && st.uid != me
     {
-        images
-            .rmdir(target.encoded())
-            .and_then(|()| images.mkdir(target.encoded(), st.mode & 0o7777))
-            .with_context(|| format!("cannot make {} anew", dst.display()))?;
+        let cannot = || format!("cannot make {} anew", dst.display());
+        images.rmdir(target.encoded()).with_context(cannot)?;
+        *changed = true;
+        (images.mkdir(target.encoded(), st.mode & 0o7777)).with_context(cannot)?;
     }
     Ok(())
+}
+
+/// What a copy of `base` to `target` (done since `t0`) did and left out, said.
+fn say_copied(
+    ctx: &crate::ctx::Ctx,
+    (base, target): (&ImageName, &ImageName),
+    done: &crate::clone::Copied,
+    t0: Instant,
+) {
+    let (files, s) = (done.files, if done.files == 1 { "" } else { "s" });
+    ctx.detail(&format!(
+        "copied '{base}' to '{target}': {files} file{s}, {} ({} reflinked) in {:.2} s",
+        crate::disk_usage::human(done.bytes),
+        done.reflinked,
+        t0.elapsed().as_secs_f64()
+    ));
+    for m in &done.mounts_left_out {
+        ctx.say(&format!(
+        "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+        ));
+    }
+    if done.worktree_link_left_out {
+        ctx.detail(&format!(
+        "image '{target}': /.git of '{base}' not copied: it links '{base}' to a git worktree (a build cache's), which a copy must not claim"
+        ));
+    }
+    if done.skipped_special > 0 {
+        ctx.say(&format!(
+        "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
+        done.skipped_special
+        ));
+    }
+    if let Some(lost) = done.xattrs_summary() {
+        ctx.say(&format!(
+        "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+        if ctx.verbose { "" } else { " (-v lists the files)" }
+        ));
+        for d in &done.xattr_details {
+            ctx.detail(&format!("  not kept: {d}"));
+        }
+    }
 }

@@ -6,8 +6,10 @@
 //!   directories (not the trees inside: those are the builder's), the catalog's journal.
 //! - **No default ACL on its directories**: with one the kernel ignores the umask, and what a
 //!   member makes in it would not be group-writable; [`repair`] removes it, [`check`] reports it.
+//!   Nor an access ACL that gives the group, or a user it names, less than a part needs.
 //! - **Only what is ours is fixed** ([`repair`]), each on a descriptor opened without following a
-//!   link: a link planted in a part's place changes nothing outside the store.
+//!   link: a link planted in a part's place changes nothing outside the store. [`check`] lists and
+//!   reads the parts so too: it names nothing outside the store.
 
 use std::fs;
 use std::io;
@@ -39,6 +41,9 @@ pub struct Wrong {
     pub default_acl: bool,
     /// What an access ACL lets the group do, where less than it needs (the mode shows its mask).
     pub acl_group: Option<u32>,
+    /// Users an access ACL names and gives less than a part needs (uid, what it gives): theirs
+    /// alone, whatever the group may do.
+    pub acl_users: Vec<(u32, u32)>,
 }
 
 impl Wrong {
@@ -54,7 +59,10 @@ impl Wrong {
         let access = (self.acl_group)
             .map(|p| format!(", ACL gives the group {}", crate::planted::rwx(p)))
             .unwrap_or_default();
-        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl}{access})")
+        let users: String = (self.acl_users.iter())
+            .map(|&(u, p)| format!(", ACL gives uid {u} only {}", crate::planted::rwx(p)))
+            .collect();
+        format!("{rel} (mode {mode:o}, uid {uid}, group {gid}{acl}{access}{users})")
     }
 }
 
@@ -74,17 +82,17 @@ fn parts(root: &Root) -> Vec<(String, bool)> {
         .chain(files.map(|f| (f.to_owned(), false)))
         .collect();
     for d in ["locks/images", "locks/leases", "img"] {
-        for (name, is_dir) in entries(&root.dir().join(d)) {
+        for (name, is_dir) in entries(root, d) {
             // Image directories only: what is inside is the builder's.
             if is_dir == (d == "img") {
                 out.push((format!("{d}/{name}"), is_dir));
             }
         }
     }
-    for (class, is_dir) in entries(&root.slot_locks()) {
+    for (class, is_dir) in entries(root, "locks/slots") {
         if is_dir {
             let rel = format!("locks/slots/{class}");
-            let files = entries(&root.dir().join(&rel)).into_iter();
+            let files = entries(root, &rel).into_iter();
             let files = files.filter(|(_, d)| !d);
             out.extend(files.map(|(n, _)| (format!("{rel}/{n}"), false)));
             out.push((rel, true));
@@ -93,18 +101,35 @@ fn parts(root: &Root) -> Vec<(String, bool)> {
     out
 }
 
-/// The names in `dir`, each with whether it is a directory (links are neither, and are left out).
-fn entries(dir: &Path) -> Vec<(String, bool)> {
-    let Ok(list) = fs::read_dir(dir) else {
+/// The part `rel` of the root, opened with `flags` through no link on the way or at its end: a
+/// member's link at `img` leads the check to no directory outside the store.
+fn open_part(root: &Root, rel: &str, flags: libc::c_int) -> Option<fs::File> {
+    crate::planted::open(&root.dir().join(rel), flags, 0).ok()
+}
+
+/// The names in the root's directory `rel`, each with whether it is a directory (links are
+/// neither, and are left out).
+fn entries(root: &Root, rel: &str) -> Vec<(String, bool)> {
+    let Some(dir) = open_part(root, rel, libc::O_RDONLY | libc::O_DIRECTORY) else {
         return Vec::new();
     };
-    list.filter_map(|e| {
-        let e = e.ok()?;
-        let t = e.file_type().ok()?;
-        let name = e.file_name().into_string().ok()?;
-        (t.is_dir() || t.is_file()).then_some((name, t.is_dir()))
-    })
-    .collect()
+    let dir = crate::dir::Dir::from(std::os::fd::OwnedFd::from(dir));
+    let Ok(names) = dir.names() else {
+        return Vec::new();
+    };
+    names
+        .into_iter()
+        .filter_map(|n| {
+            let e = dir.stat_at(&n).ok()??;
+            let file = e.mode & libc::S_IFMT == libc::S_IFREG;
+            (e.is_dir() || file).then_some((n.into_string().ok()?, e.is_dir()))
+        })
+        .collect()
+}
+
+/// `/proc/self/fd/N` for `fd`: what it is open on, for calls that take only a path (xattrs).
+fn fd_path(fd: BorrowedFd) -> std::path::PathBuf {
+    format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)).into()
 }
 
 /// The parts of a group store (group `gid`) that its members cannot use.
@@ -112,16 +137,16 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
     parts(root)
         .into_iter()
         .filter_map(|(rel, dir)| {
-            let path = root.dir().join(&rel);
             // Missing, or not of its kind (a link): no part.
-            let m = fs::symlink_metadata(&path)
-                .ok()
-                .filter(|m| m.is_dir() == dir)?;
+            let part = open_part(root, &rel, libc::O_PATH)?;
+            let m = part.metadata().ok().filter(|m| m.is_dir() == dir)?;
+            let path = fd_path(part.as_fd());
             let bits = if dir { DIR_BITS } else { FILE_BITS };
             let default_acl = dir && has_default_acl(&path);
-            let acl_group = crate::planted::acl_short(&path, false, dir);
+            let acl_group = crate::planted::acl_short(&path, true, dir);
+            let acl_users = crate::planted::acl_short_users(&path, true, dir);
             let fine = m.mode() & bits == bits && m.gid() == gid && !default_acl;
-            (!fine || acl_group.is_some()).then(|| Wrong {
+            (!fine || acl_group.is_some() || !acl_users.is_empty()).then(|| Wrong {
                 rel,
                 dir,
                 mode: m.mode(),
@@ -129,6 +154,7 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
                 gid: m.gid(),
                 default_acl,
                 acl_group,
+                acl_users,
             })
         })
         .collect()
@@ -137,13 +163,14 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
 /// The extended attribute holding a directory's default ACL.
 const DEFAULT_ACL: &std::ffi::CStr = c"system.posix_acl_default";
 
-/// Whether the directory at `path` has a default ACL (none where the filesystem keeps no ACLs).
+/// Whether the directory at `path` (followed: a descriptor's `/proc` name) has a default ACL (none
+/// where the filesystem keeps no ACLs).
 fn has_default_acl(path: &Path) -> bool {
     let Ok(c) = crate::error::cstr(path.as_os_str()) else {
         return false;
     };
     // SAFETY: two C strings of ours; a null buffer of size 0 asks only for the value's size.
-    let n = unsafe { libc::lgetxattr(c.as_ptr(), DEFAULT_ACL.as_ptr(), std::ptr::null_mut(), 0) };
+    let n = unsafe { libc::getxattr(c.as_ptr(), DEFAULT_ACL.as_ptr(), std::ptr::null_mut(), 0) };
     n >= 0
 }
 
@@ -217,7 +244,7 @@ pub fn images_dir_to_group(images: &crate::dir::Dir, shown: &Path, gid: u32) -> 
 /// its parts get and is neither ours nor are we root; says whether it lacks it.
 pub fn refuse_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<bool> {
     let st = crate::dir::fstat(images.as_fd())?;
-    let Some(lacks) = images_dir_lacks(&st, shown, gid) else {
+    let Some(lacks) = images_dir_lacks(images, &st, gid) else {
         return Ok(false);
     };
     let euid = nix::unistd::geteuid().as_raw();
@@ -231,9 +258,10 @@ pub fn refuse_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Re
     Ok(true)
 }
 
-/// What a group store's (group `gid`) external images directory, of status `st`, lacks that its
-/// parts get, if anything.
-pub fn images_dir_lacks(st: &libc::stat, shown: &Path, gid: u32) -> Option<String> {
+/// What a group store's (group `gid`) external images directory `images`, of status `st`, lacks
+/// that its parts get, if anything.
+pub fn images_dir_lacks(images: &crate::dir::Dir, st: &libc::stat, gid: u32) -> Option<String> {
+    let shown = &fd_path(images.as_fd());
     Some(if st.st_gid != gid {
         format!("lacks the store's group {}", group_label(gid))
     } else if st.st_mode & DIR_BITS != DIR_BITS {
@@ -283,13 +311,16 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
         }
     }
     // An access ACL shutting the group out goes: with none, the mode's group bits are the group's.
-    let proc = std::path::PathBuf::from(format!("/proc/self/fd/{raw}"));
+    // One that only names users short of what they need loses those: they get the group's due.
+    let proc = fd_path(fd);
     if crate::planted::acl_short(&proc, true, dir).is_some() {
         let proc = crate::error::cstr(proc.as_os_str())?;
         // SAFETY: a C string of ours naming our own descriptor's file, and a C string.
         crate::error::cvt(unsafe {
             libc::removexattr(proc.as_ptr(), crate::planted::ACCESS_ACL.as_ptr())
         })?;
+    } else if !crate::planted::acl_short_users(&proc, true, dir).is_empty() {
+        crate::planted::drop_short_users(&proc, dir)?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
@@ -345,7 +376,8 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
 
 fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
     let (root, doc) = (dir.display(), crate::error::GROUP_STORE_DOC);
-    anyhow::anyhow!("cannot give root {root} group {gid}: you are not in that group (see {doc})")
+    let label = group_label(gid);
+    anyhow::anyhow!("cannot give root {root} group {label}: you are not in that group (see {doc})")
 }
 
 /// Makes the root at `dir` a group store for `gid`: its group, group-writable, setgid, not o+w.

@@ -272,6 +272,10 @@ enum Tried {
 /// One non-blocking attempt, lock and record; a reader seeing the writer-waits hint asks the gate.
 fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Result<Tried> {
     let path = root.image_lock(name);
+    if create {
+        // Before a lock file may be made: unlinking it again must not need a descriptor more.
+        root.keep_spare()?;
+    }
     let mut failed = None;
     let got = lock::acquire_no_wait_with(&path, mode, lock::IfMissing::create_if(create), |f| {
         match image_record::read_of(f, name.as_str()) {

@@ -189,6 +189,9 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
         sharing::share_images_dir(images, dir, gid)?;
     }
     let (label, at) = (sharing::group_label(gid), root.dir().display());
+    // The check passes over a link put at a layout directory since it was made (it reads through
+    // none): named here, not said to be shared.
+    root.refuse_planted_layout()?;
     let done = sharing::repair(root, gid, sharing::check(root, gid));
     if !done.fixed.is_empty() {
         let parts = sharing::list(&done.fixed, 8);

@@ -274,7 +274,10 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
             };
             let advice = match crate::sharing::is_group_store(root.dir()) {
                 Some((gid, _)) if !crate::ident::in_group(gid) => {
-                    "you are not in the store's group: ask its owner to add you to it"
+                    let label = crate::sharing::group_label(gid);
+                    &format!(
+                        "you are not in the store's group {label}: ask its owner to add you to it"
+                    )
                 }
                 Some(_) => "its owner's 'stowage doctor --repair' makes it group-writable",
                 None => "the store's owner can share it: 'stowage init --group GROUP'",
@@ -352,7 +355,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
         let parts = sharing::list(&done.fixed, 4);
-        report.add("sharing", Repaired, format!("gave group {label} and group write (directories: setgid, no default ACL) to {parts}"));
+        report.add("sharing", Repaired, format!("gave group {label} and group write (directories: setgid, no default ACL; no ACL entry giving a user less) to {parts}"));
     }
     if !done.not_ours.is_empty() {
         let parts = sharing::list(&done.not_ours, 4);
@@ -786,7 +789,7 @@ fn outside_images_dir(
         return;
     };
     let lacks = crate::dir::fstat(std::os::fd::AsFd::as_fd(images))
-        .map(|st| sharing::images_dir_lacks(&st, dir, gid))
+        .map(|st| sharing::images_dir_lacks(images, &st, gid))
         .with_context(|| format!("cannot inspect images directory {}", dir.display()));
     let (shown, label) = (dir.display(), sharing::group_label(gid));
     match lacks {

@@ -903,11 +903,10 @@ fn denied(path: &Path) -> String {
         });
     }
     match store {
-        Some(m) if m.mode() & 0o020 != 0 && !crate::ident::in_group(m.gid()) => format!(
-            "{}: you are not in group {}, whose store this is: ask its owner to add you to that group ({doc})",
-            path.display(),
-            m.gid()
-        ),
+        Some(m) if m.mode() & 0o020 != 0 && !crate::ident::in_group(m.gid()) => {
+            let why = crate::planted::not_a_member(m.gid());
+            format!("{}: {why}", path.display())
+        }
         Some(m) if m.mode() & 0o020 != 0 => {
             // The cause, or the directory above that keeps us from looking at it.
             let why = cause.ancestors().take(2).find_map(|c| {

@@ -485,6 +485,51 @@ fn starts_that_fail_leave_no_lock_file_or_gate() {
     assert!(!gate_file(&env, "n").exists());
 }
 
+/// A start that runs out of file descriptors, wherever it does (taking a
+/// lock, reading store.conf, opening the images directory), says so on one
+/// line and unlinks the lock file it made for its new image, even with no
+/// descriptor left to open its directory by then.
+#[test]
+fn a_start_out_of_file_descriptors_leaves_no_lock_file() {
+    use std::os::unix::process::CommandExt;
+    let env = Env::new();
+    env.make_image("base");
+    let mut refused = 0;
+    for limit in 4..=16u64 {
+        for (how, short) in [("--read", "r"), ("--from", "f")] {
+            let name = format!("new{limit}{short}");
+            let mut c = env.cmd(["exec", "--write", &name, how, "base", "--", "true"]);
+            // SAFETY: only setrlimit(2) runs between fork and exec.
+            unsafe {
+                c.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: limit,
+                        rlim_max: limit,
+                    };
+                    libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+                    Ok(())
+                });
+            }
+            let out = output(c);
+            if code(&out) == Some(0) {
+                continue;
+            }
+            refused += 1;
+            let err = stderr(&out);
+            assert_eq!(code(&out), Some(1), "limit {limit}: {}", show(&out));
+            assert!(
+                err.contains("Too many open files") && err.lines().count() == 1,
+                "limit {limit}: {err}"
+            );
+            assert!(!env.lock_file(&name).exists(), "limit {limit}: {err}");
+            assert_eq!(env.state(&name), None, "limit {limit}");
+        }
+    }
+    assert!(refused > 2, "every start got the descriptors it needed");
+    let out = env.ok(["doctor"]);
+    assert!(!stdout(&out).contains("name no image"), "{}", show(&out));
+}
+
 // --- the command line -------------------------------------------------------
 
 /// `stowage` without a subcommand is a usage error like any other: one

@@ -515,6 +515,46 @@ fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
     assert_intact(&v);
 }
 
+/// A mount at an image's own directory (a bind mount a build left at `img/app`, or a filesystem
+/// of its own there) is never emptied by a rebuild from a base: the walk's check of mounts began
+/// below the top, so the mounted directory, outside the store, was emptied and the copy written
+/// into it. A base that is a mount point is refused too, before anything is emptied: a bind mount
+/// of the images directory at its top made the copy copy itself until it ran out of descriptors.
+#[test]
+fn rebuilding_from_a_base_never_empties_a_mount_at_the_image_directory_itself() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("app");
+    let v = victim(&env);
+    let Some(m) = Mount::at(&["--bind", v.to_str().unwrap()], &env.root.join("img/app")) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("is a mount point"), "{}", show(&out));
+    assert_intact(&v);
+    drop(m);
+    env.make_image("mb");
+    fs::write(env.root.join("img/app/kept"), "app's own").unwrap();
+    let img = env.root.join("img");
+    let Some(_m) = Mount::at(&["--bind", img.to_str().unwrap()], &img.join("mb")) else {
+        return;
+    };
+    let out = env.run(["exec", "--write", "app", "--from", "mb", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("a copy takes nothing across a mount"),
+        "{}",
+        show(&out)
+    );
+    let kept = fs::read_to_string(env.root.join("img/app/kept")).unwrap();
+    assert_eq!(kept, "app's own");
+}
+
 #[test]
 fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
     if !root_or_skip("mounts") {

@@ -677,6 +677,28 @@ fn gc_finishes_an_interrupted_removal() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
 
+/// Leftovers in the trash named in any bytes (another member of a group store may put one there)
+/// are deleted by gc and `doctor --repair`: a name cut at a byte inside a character made both panic
+/// (exit 101) before anything was removed, every run after too.
+#[test]
+fn trash_leftovers_with_names_in_any_bytes_are_deleted() {
+    use std::os::unix::ffi::OsStrExt;
+    let env = Env::new();
+    env.make_image("a");
+    let trash = env.root.join("trash");
+    fs::create_dir_all(&trash).unwrap();
+    let accented = "a\u{e9}".repeat(40);
+    let names: [&[u8]; 3] = [accented.as_bytes(), b"b\xff", &[0xff; 200]];
+    for args in [["gc"].as_slice(), ["doctor", "--repair"].as_slice()] {
+        for name in names {
+            fs::create_dir(trash.join(std::ffi::OsStr::from_bytes(name))).unwrap();
+        }
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert_eq!(fs::read_dir(&trash).unwrap().count(), 0, "{args:?}");
+    }
+}
+
 /// A tree left in the trash (a file in it immutable) is named, each gc, by the path it has then,
 /// and keeps its image's name however often gc takes it over: the line named the entry's name
 /// before gc renamed it, and each takeover put a new stamp before the old one, cutting the image's
@@ -749,6 +771,30 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
         assert!(env.images_json().is_empty(), "{point}");
         assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
     }
+}
+
+/// A filesystem out of inodes (a build made files until none was left) still lets gc run and free
+/// them: the locks gc needs are made with the layout, not first when needed (gc failed: no inode
+/// to make its lock in).
+#[test]
+fn gc_runs_on_a_filesystem_out_of_inodes() {
+    let Some(mnt) = Mount::tmpfs("size=16m,nr_inodes=300") else {
+        return;
+    };
+    let env = mnt.env();
+    env.make_image("a");
+    let fill = "i=0; while (echo >\"$STOWAGE_IMAGE_DIR/f$i\") 2>/dev/null; do i=$((i+1)); done";
+    env.build("fill", fill);
+    // What the build's end gave back (its lease, the catalog's journal) is taken too.
+    let img = env.root.join("img/fill");
+    let more = (0..).take_while(|i| fs::write(img.join(format!("g{i}")), "g").is_ok());
+    assert!(more.count() < 100);
+    let probe = mnt.dir.join("probe");
+    assert!(fs::write(&probe, "").is_err(), "inodes are left");
+    let out = env.run(["gc", "--max-size", "0"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(env.images_json().is_empty(), "{}", show(&out));
+    fs::write(&probe, "").unwrap();
 }
 
 /// What gc says it freed finishing removals a crash cut short is what `df` gets back, their lock
