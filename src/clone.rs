@@ -36,6 +36,7 @@ use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
 use crate::dir::{self, Dir, Trail, xattr_read};
 use crate::error::{cvt, retrying};
+use crate::loan::{Lent, Loans};
 
 /// What a copy did.
 #[derive(Debug, Default, Clone)]
@@ -84,80 +85,102 @@ struct Frame {
     meta: libc::stat,
     names: std::vec::IntoIter<CString>,
     /// The source directory's own mode, while it lends us access.
-    _lent: Option<Lent>,
+    lent: Option<Lent>,
 }
 
 /// A [`Frame`] far above the directory being copied, its two directories closed and known by
-/// device and inode, to be reopened through `..` on the way back.
+/// device and inode, to be reopened through `..` on the way back. Its loan, if any, holds no
+/// descriptor meanwhile ([`Lent::detach`]): the mode stays lent until the level is reopened.
 struct Far {
     src: (u64, u64),
     dst: (u64, u64),
     meta: libc::stat,
     names: std::vec::IntoIter<CString>,
-    _lent: Option<Lent>,
+    lent: Option<Lent>,
 }
 
 impl Frame {
-    fn close(self) -> io::Result<Far> {
+    /// Its two directories' device and inode, as a [`Far`] knows them.
+    fn ids(&self) -> io::Result<((u64, u64), (u64, u64))> {
         let (s, d) = (dir::fstat(&self.src)?, dir::fstat(&self.dst)?);
-        Ok(Far {
-            src: (s.st_dev, s.st_ino),
-            dst: (d.st_dev, d.st_ino),
+        Ok(((s.st_dev, s.st_ino), (d.st_dev, d.st_ino)))
+    }
+
+    /// Closed, known by `(src, dst)` from [`Frame::ids`].
+    fn close(self, (src, dst): ((u64, u64), (u64, u64))) -> Far {
+        let mut lent = self.lent;
+        lent.as_mut().map(Lent::detach);
+        Far {
+            src,
+            dst,
             meta: self.meta,
             names: self.names,
-            _lent: self._lent,
-        })
+            lent,
+        }
     }
 }
 
 impl Far {
-    /// Reopened from its subdirectory's frame `below`: each `..` must be the directory left.
-    fn reopen(self, below: &Frame) -> io::Result<Frame> {
-        Ok(Frame {
-            src: below.src.parent_checked(self.src, "copied")?,
-            dst: below.dst.parent_checked(self.dst, "copied")?,
+    /// Its two directories, reopened from their subdirectories' frame `below` (each `..` must be
+    /// the directory left), and a descriptor of the source for its loan.
+    fn reopen(&self, below: &Frame) -> io::Result<(Dir, Dir, Option<OwnedFd>)> {
+        let src = below.src.parent_checked(self.src, "copied")?;
+        let dst = below.dst.parent_checked(self.dst, "copied")?;
+        let lent = match self.lent {
+            Some(_) => Some(src.as_fd().try_clone_to_owned()?),
+            None => None,
+        };
+        Ok((src, dst, lent))
+    }
+
+    fn into_frame(self, (src, dst, fd): (Dir, Dir, Option<OwnedFd>)) -> Frame {
+        let mut lent = self.lent;
+        if let (Some(l), Some(fd)) = (lent.as_mut(), fd) {
+            l.reattach(fd);
+        }
+        Frame {
+            src,
+            dst,
             meta: self.meta,
             names: self.names,
-            _lent: self._lent,
-        })
+            lent,
+        }
     }
 }
 
-/// Access to a base file or directory that is ours but its mode keeps from us (a mode-000
-/// `/etc/shadow`, as RHEL-family images hold): the owner's read (and search) bit is set on that
-/// very inode until this is dropped.
-struct Lent {
-    fd: OwnedFd,
-    mode: libc::mode_t,
-}
-
-impl Drop for Lent {
-    fn drop(&mut self) {
-        let _ = dir::chmod_o_path(self.fd.as_raw_fd(), self.mode);
-    }
-}
-
-/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One whose mode (ours)
-/// keeps the owner's read (and for a directory search) bits from us gets a loan of them through an
-/// `O_PATH` descriptor of the very inode, is reopened through it, and comes with the loan.
-fn open_source(
-    dir: &Dir,
-    name: &CStr,
-    meta: &libc::stat,
-    flags: libc::c_int,
-) -> io::Result<(OwnedFd, Option<Lent>)> {
+/// The owner bits (read, and for a directory search) that the base's inode `meta` withholds from
+/// the copy of its owner, not root, who may lend them ([`crate::loan`]); 0 if none.
+fn withheld(meta: &libc::stat) -> libc::mode_t {
     let euid = nix::unistd::geteuid().as_raw();
     let need = if dir::file_type(meta) == libc::S_IFDIR {
         0o500
     } else {
         0o400
     };
-    if euid == 0 || meta.st_uid != euid || meta.st_mode & need == need {
+    if euid == 0 || meta.st_uid != euid {
+        return 0;
+    }
+    need & !meta.st_mode
+}
+
+/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One whose mode (ours)
+/// keeps the owner's read (and for a directory search) bits from us gets a loan of them through an
+/// `O_PATH` descriptor of the very inode (`names` from the base's top, the lend lock held
+/// exclusively), is reopened through it, and comes with the loan.
+fn open_source(
+    (dir, name, names): (&Dir, &CStr, &[CString]),
+    meta: &libc::stat,
+    flags: libc::c_int,
+    loans: &mut Loans,
+) -> io::Result<(OwnedFd, Option<Lent>)> {
+    let need = withheld(meta);
+    if need == 0 {
         let opened = dir.open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
-        // Not ours to lend: says whose it is (only they or root may copy it).
+        // Another's: says whose it is (only they or root may copy it).
         let (mode, uid) = (meta.st_mode & 0o7777, meta.st_uid);
+        let theirs = uid != nix::unistd::geteuid().as_raw();
         return opened.map(|fd| (fd, None)).map_err(|e| match e.kind() {
-            io::ErrorKind::PermissionDenied => {
+            io::ErrorKind::PermissionDenied if theirs => {
                 let why = format!("it is mode {mode:03o} and belongs to uid {uid}, so only they or root can copy it");
                 io::Error::new(e.kind(), format!("{e}: {why}"))
             }
@@ -169,25 +192,23 @@ fn open_source(
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
         return Err(io::Error::other("changed while being copied"));
     }
-    dir::chmod_o_path(path.as_raw_fd(), (now.st_mode & 0o7777) | need)?;
     let proc = format!("/proc/self/fd/{}", path.as_raw_fd());
-    let lent = Lent {
-        fd: path,
-        mode: now.st_mode & 0o7777,
-    };
+    let mut names = names.to_vec();
+    names.push(name.to_owned());
+    let lent = loans.lend(&names, path, &now, need)?;
     let flags = OFlag::from_bits_retain(flags | libc::O_CLOEXEC);
     let fd = nix::fcntl::open(proc.as_str(), flags, Mode::empty())?;
     Ok((fd, Some(lent)))
 }
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both opened by the caller
-/// from the images directory's descriptor (`src` and `dst` name them in messages). On failure,
-/// `changed` says whether anything of `dst_root` changed (else the image is as it was).
+/// from the images directory's descriptor (`src` and `dst` name them in messages), holding the
+/// base's lend lock `loans`. On failure, `changed` says whether anything of `dst_root` changed
+/// (else the image is as it was); every loan is given back either way.
 pub fn copy_tree_at(
-    src_root: Dir,
-    src: &Path,
-    dst_root: Dir,
-    dst: &Path,
+    (src_root, src): (Dir, &Path),
+    (dst_root, dst): (Dir, &Path),
+    loans: &mut Loans,
     progress: &mut Bar,
     changed: &mut bool,
 ) -> Result<Copied> {
@@ -221,7 +242,7 @@ pub fn copy_tree_at(
         dst: dst_top,
         meta,
         names: names.into_iter(),
-        _lent: None,
+        lent: None,
     };
     let mut copy = TreeCopy {
         src,
@@ -243,10 +264,14 @@ pub fn copy_tree_at(
             ..Copied::default()
         },
         progress,
+        loans,
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
         copy.give_back(&stack, Mode::from_bits_retain(was));
+        // Loans end innermost first, as their journal lines are cut off.
+        while stack.pop().is_some() {}
+        while copy.far.pop().is_some() {}
         // Its mode back and nothing made in it: the copy changed nothing (this needs no new
         // descriptor, as one that ran out of them must not).
         let top = (dir::fstat(&copy.dst_root).ok()).map(|st| st.st_mode & 0o7777);
@@ -329,6 +354,7 @@ struct TreeCopy<'a> {
     shared: bool,
     out: Copied,
     progress: &'a mut Bar,
+    loans: &'a mut Loans,
 }
 
 impl TreeCopy<'_> {
@@ -339,22 +365,23 @@ impl TreeCopy<'_> {
                 // A directory gets its mode and times after its contents (read-only ones, mtimes).
                 let done = stack.pop().expect("not empty");
                 if stack.is_empty()
-                    && let Some(far) = self.far.pop()
+                    && let Some(far) = self.far.last()
                 {
-                    let up = far.reopen(&done);
-                    stack.push(up.with_context(|| self.cannot_climb())?);
+                    let up = far.reopen(&done).with_context(|| self.cannot_climb())?;
+                    let far = self.far.pop().expect("seen");
+                    stack.push(far.into_frame(up));
                 }
                 self.leave();
-                let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
-                self.attrs(dst, src, None, &done.meta)?;
+                let lent = done.lent.is_some();
+                self.attrs_fd((done.dst.as_fd(), done.src.as_fd()), None, &done.meta, lent)?;
                 continue;
             };
             crate::signals::check()?;
             if let Some(sub) = self.copy_entry(top, name)? {
                 stack.push(sub);
                 if stack.len() > dir::OPEN_LEVELS {
-                    let far = stack.remove(0).close();
-                    self.far.push(far.with_context(|| self.cannot_climb())?);
+                    let ids = stack[0].ids().with_context(|| self.cannot_climb())?;
+                    self.far.push(stack.remove(0).close(ids));
                 }
             }
         }
@@ -385,10 +412,16 @@ impl TreeCopy<'_> {
     /// Creates the copy of directory `name` (mode 700 until filled) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         let entry = OsStr::from_bytes(name.to_bytes());
+        if withheld(&meta) != 0 {
+            self.loans
+                .exclusive()
+                .with_context(|| self.cannot_copy(&name))?;
+        }
         let opened = (|| {
             top.dst.mkdir(entry, 0o700)?;
             let flags = libc::O_RDONLY | libc::O_DIRECTORY;
-            let (fd, lent) = open_source(&top.src, &name, &meta, flags)?;
+            let at = (&top.src, name.as_c_str(), &self.trail.0[..]);
+            let (fd, lent) = open_source(at, &meta, flags, self.loans)?;
             let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
             // A filesystem mounted inside the base is not its tree: the mount point is copied,
             // empty. A bind mount of the base's own filesystem shows only in its mount id.
@@ -411,22 +444,34 @@ impl TreeCopy<'_> {
             dst: d,
             meta,
             names: names.into_iter(),
-            _lent: lent,
+            lent,
         })
     }
 
     /// After a failure: the copy's directories made 700 and not done get `mode`, the top's, back, so
-    /// a group store's member can remove them; the far ones are reopened through `..`.
-    fn give_back(&self, stack: &[Frame], mode: Mode) {
+    /// a group store's member can remove them; the far ones are reopened through `..`, and the
+    /// loans of their sources get descriptors back to be given back by (else their journal lines
+    /// stay, for the lend lock's next exclusive holder).
+    fn give_back(&mut self, stack: &[Frame], mode: Mode) {
         for d in stack.iter().map(|f| &f.dst).chain([&self.dst_root]) {
             let _ = fchmod(d, mode);
         }
-        let mut up = stack.first().and_then(|f| f.dst.duplicate().ok());
-        for far in self.far.iter().rev() {
-            up = up.and_then(|d| d.parent_checked(far.dst, "copied").ok());
-            if let Some(d) = &up {
+        let mut up = stack
+            .first()
+            .map(|f| (f.src.duplicate().ok(), f.dst.duplicate().ok()));
+        for far in self.far.iter_mut().rev() {
+            let Some((s, d)) = up else { break };
+            let s = s.and_then(|s| s.parent_checked(far.src, "copied").ok());
+            let d = d.and_then(|d| d.parent_checked(far.dst, "copied").ok());
+            if let Some(d) = &d {
                 let _ = fchmod(d, mode);
             }
+            if let (Some(s), Some(lent)) = (&s, far.lent.as_mut())
+                && let Ok(fd) = s.as_fd().try_clone_to_owned()
+            {
+                lent.reattach(fd);
+            }
+            up = Some((s, d));
         }
     }
 
@@ -486,10 +531,16 @@ impl TreeCopy<'_> {
 
     fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         // A loan is kept until the attributes are copied: reading `user.*` needs the data's access.
+        if withheld(meta) != 0 {
+            self.loans
+                .exclusive()
+                .with_context(|| self.cannot_copy(name))?;
+        }
         let opened = (|| {
             // Never blocking on a FIFO; the copy is made fresh.
             let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
-            let (fd, lent) = open_source(&top.src, name, meta, flags)?;
+            let at = (&top.src, name, &self.trail.0[..]);
+            let (fd, lent) = open_source(at, meta, flags, self.loans)?;
             let now = dir::fstat(&fd)?;
             if dir::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
                 return Err(io::Error::other("changed while being copied"));
@@ -498,11 +549,11 @@ impl TreeCopy<'_> {
             let copy = top.dst.open_at(name, flags | libc::O_CLOEXEC, 0o600)?;
             Ok((File::from(fd), File::from(copy), lent))
         })();
-        let (src_f, dst_f, _lent) = opened.with_context(|| self.cannot_copy(name))?;
+        let (src_f, dst_f, lent) = opened.with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works, self.shared)
             .with_context(|| self.cannot_copy(name))?;
-        let (dst, src) = (Target::Fd(dst_f.as_fd()), Target::Fd(src_f.as_fd()));
-        self.attrs(dst, src, Some(name), meta)?;
+        let fds = (dst_f.as_fd(), src_f.as_fd());
+        self.attrs_fd(fds, Some(name), meta, lent.is_some())?;
         let len = meta.st_size as u64;
         self.out.files += 1;
         self.out.bytes += len;
@@ -539,6 +590,32 @@ impl TreeCopy<'_> {
             Some(name),
             meta,
         )
+    }
+
+    /// [`TreeCopy::attrs`] from an open source to its open copy. A source `lent` to us shows the
+    /// lent owner bits in its access ACL too, copied with it: the copy's mode is set again after
+    /// (a chmod sets the ACL's owner, mask and other entries from the mode: the base's ACL).
+    fn attrs_fd(
+        &mut self,
+        (dst, src): (BorrowedFd, BorrowedFd),
+        name: Option<&CStr>,
+        meta: &libc::stat,
+        lent: bool,
+    ) -> Result<()> {
+        self.attrs(Target::Fd(dst), Target::Fd(src), name, meta)?;
+        if lent {
+            let mode = Mode::from_bits_retain(meta.st_mode & 0o7777);
+            fchmod(dst, mode)
+                .map_err(io::Error::from)
+                .with_context(|| match name {
+                    Some(n) => self.cannot_copy(n),
+                    None => format!(
+                        "cannot set attributes of {}",
+                        self.trail.show(self.dst, None)
+                    ),
+                })?;
+        }
+        Ok(())
     }
 
     /// [`set_attrs`] for the entry `name` of the current directory's copy (or, without a name, the
@@ -729,18 +806,72 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
 }
 
 /// A second name for the copy of a hard-linked inode, its first copy found by the names `first`
-/// (a route from `start`, `..` included).
+/// (a route from `start`, `..` included). A directory on the way down whose copy is done already
+/// has its final mode, which may keep even its owner out (000): the copy is ours alone while made,
+/// so the owner's search bit is set on it for the link and its mode put back after. Only the
+/// nearest directory is held open: the way back to those lent is through `..`.
 fn link_to(start: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
-    let mut owned: Option<Dir> = None;
-    for p in parents {
-        let here = owned.as_ref().unwrap_or(start);
-        owned = Some(here.sub(OsStr::from_bytes(p.to_bytes()))?);
+    // Each directory opened on the way: its device and inode, and its mode if lent the bit.
+    let mut way: Vec<((u64, u64), Option<libc::mode_t>)> = Vec::new();
+    let mut here: Option<Dir> = None;
+    let linked = (|| {
+        for p in parents {
+            let sub =
+                (here.as_ref().unwrap_or(start)).anchor_sub(OsStr::from_bytes(p.to_bytes()))?;
+            let st = dir::fstat(&sub)?;
+            let mode = st.st_mode & 0o7777;
+            let lent = (mode & 0o100 == 0).then_some(mode);
+            if lent.is_some() {
+                dir::chmod_o_path(sub.as_raw_fd(), mode | 0o100)?;
+            }
+            way.push(((st.st_dev, st.st_ino), lent));
+            here = Some(sub);
+        }
+        // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
+        let parent = here.as_ref().unwrap_or(start);
+        Ok(linkat(
+            parent,
+            last.as_c_str(),
+            dir,
+            name,
+            AtFlags::empty(),
+        )?)
+    })();
+    let first_lent = way.iter().position(|(_, lent)| lent.is_some());
+    if let (Some(nearest), Some(i)) = (here, first_lent) {
+        give_back_search(nearest, &way[i..])?;
     }
-    let parent = owned.as_ref().unwrap_or(start);
-    // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
-    let nofollow = AtFlags::empty();
-    Ok(linkat(parent, last.as_c_str(), dir, name, nofollow)?)
+    linked
+}
+
+/// Puts back the modes of the directories `way` (each its device, inode and mode if lent), the
+/// last one `nearest` and each the one below the one before: the routes' `..` are all above the
+/// first, which is lent.
+fn give_back_search(nearest: Dir, way: &[((u64, u64), Option<libc::mode_t>)]) -> io::Result<()> {
+    let mut here = nearest;
+    for (i, (_, lent)) in way.iter().enumerate().rev() {
+        // The way up before the mode goes: `..` needs the search bit.
+        let up = match i.checked_sub(1) {
+            Some(above) => {
+                let up = here.anchor_sub("..")?;
+                let st = dir::fstat(&up)?;
+                if (st.st_dev, st.st_ino) != way[above].0 {
+                    return Err(io::Error::other("the copy was moved while being linked"));
+                }
+                Some(up)
+            }
+            None => None,
+        };
+        if let Some(mode) = lent {
+            dir::chmod_o_path(here.as_raw_fd(), *mode)?;
+        }
+        match up {
+            Some(up) => here = up,
+            None => break,
+        }
+    }
+    Ok(())
 }
 
 /// Where attributes are read or set: an open file, or a name in a directory (not opened).
@@ -950,8 +1081,9 @@ mod tests {
             Dir::open_nofollow(&src).unwrap(),
             Dir::open_nofollow(&dst).unwrap(),
         );
+        let mut loans = Loans::take(d.path().join("lend"), &s, None).unwrap();
         let bar = &mut Bar::new(String::new(), false);
-        let out = copy_tree_at(s, &src, t, &dst, bar, &mut false).unwrap();
+        let out = copy_tree_at((s, &src), (t, &dst), &mut loans, bar, &mut false).unwrap();
         assert_eq!(out.files, 2);
 
         let a = fs::metadata(dst.join("bin/tool")).unwrap();

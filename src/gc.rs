@@ -105,6 +105,8 @@ pub struct Report {
     pub unknown: Vec<String>,
     /// Removed images whose emptied lock file could not be unlinked, one line each.
     pub lock_files_left: Vec<String>,
+    /// Images whose modes lent by a killed copy were restored.
+    pub loans_restored: Vec<String>,
     /// Whether the images were measured: not where their directory could not be judged, and
     /// then `size_before` and `size_after` say nothing.
     pub measured: bool,
@@ -367,7 +369,47 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     report.trash_entries = trash.entries.len();
     report.bytes_freed += trash.bytes;
     report.failed.extend(trash.failed);
+    (report.loans_restored, _) = restore_loans(&root, &entries, !dry_run);
     Ok(())
+}
+
+/// Images whose trees keep modes a killed copy lent (`loan.rs`), by name: those restored (with
+/// `restore`, where no copy of the image runs and nobody writes it), and those left.
+pub(crate) fn restore_loans(
+    root: &crate::root::Root,
+    entries: &[Entry],
+    restore: bool,
+) -> (Vec<String>, Vec<String>) {
+    let (mut restored, mut left) = (Vec::new(), Vec::new());
+    for e in entries {
+        let Some(r) = e.seen.record.as_ref() else {
+            continue;
+        };
+        let Ok(name) = ImageName::parse(&r.name) else {
+            continue;
+        };
+        let lend = root.image_lend(&name);
+        // A loan under way is its copy's (held exclusively).
+        let live = || lock::probe(&lend).is_ok_and(|p| p == lock::Probe::Exclusive);
+        if !std::fs::metadata(&lend).is_ok_and(|m| m.len() > 0) || live() {
+            continue;
+        }
+        let done = restore
+            && (|| {
+                let read = (Mode::Shared, lock::IfMissing::Fail);
+                let _read = lock::acquire_no_wait(&e.path, read.0, read.1).ok()??;
+                // The tree where its record says (checked as a command's).
+                let images = crate::images_dir::for_command(root, r).ok()?;
+                let dir = root.open_images_dir(&images).ok()?;
+                let tree = dir.sub(name.encoded()).ok()?;
+                crate::loan::restore_left(&lend, &tree).ok()
+            })() == Some(true);
+        match done {
+            true => restored.push(name.to_string()),
+            false => left.push(name.to_string()),
+        }
+    }
+    (restored, left)
 }
 
 /// What became of the interrupted removals a repair (gc's, doctor's) took on.

@@ -21,7 +21,7 @@
 //! 2. **Locks and processes**: [`lock`] the only caller of flock(2); [`signals`]; [`debug`] test
 //!    pause points; [`image_record`] an image's record; [`slot_limits`] a class's record; [`lease`]
 //!    holder leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`]
-//!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
+//!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree; [`loan`] its loans of access.
 //! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the layout; [`images_dir`] where
 //!    trees are; [`claim`] which store an images directory serves; [`catalog`] SQLite; [`census`]
 //!    every record in one pass; [`ctx`]; [`sharing`] the modes of a group store.
@@ -84,6 +84,7 @@ pub mod images_dir;
 pub mod keeper;
 pub mod kernel;
 pub mod lease;
+pub mod loan;
 pub mod lock;
 pub mod migrate;
 pub mod name;

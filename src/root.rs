@@ -397,6 +397,8 @@ impl Root {
             .with_context(|| format!("cannot empty {}", guard.path().display()))?;
         let left = self.unlink_lock(guard).err();
         self.unlink_gate(name);
+        // Its tree is gone, and with it what a killed copy left lent.
+        self.unlink_if_free(&self.image_lend(name), |f| f.set_len(0).is_ok());
         Ok(left.map(|e| format!("{e:#}")))
     }
 
@@ -484,6 +486,11 @@ impl Root {
     /// The image's gate, held by a waiting writer so new readers queue behind (`acquire/image.rs`).
     pub fn image_gate(&self, name: &ImageName) -> PathBuf {
         self.image_locks().join(named(name.encoded(), ".gate"))
+    }
+
+    /// The image's lend lock and journal, held by copies of it (`loan.rs`).
+    pub fn image_lend(&self, name: &ImageName) -> PathBuf {
+        self.image_locks().join(named(name.encoded(), ".lend"))
     }
 
     /// The relative name of an image's lock file under `locks/`, as holder records name it.

@@ -290,6 +290,7 @@ impl Session {
                     // ready one, its stowage killed before it forgot it): made anew.
                     (img.made_tree, img.images_dir, img.images) =
                         make_missing_tree(&self.root, &img.held)?;
+                    take_back_loans(&self.root, &img.held, img.images.as_ref());
                 }
                 None => start_new(store, img, base.clone(), lease.clone(), now)?,
             }
@@ -433,7 +434,13 @@ impl Session {
         let d = (images.sub(target.encoded()))
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
-        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar, changed);
+        // Held until the copy ends: no other copy of the base lends meanwhile, or lends alone.
+        let shown = (!ctx.quiet).then(|| format!("'{base}'"));
+        let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s, shown)
+            .with_context(|| format!("image '{base}'"))
+            .with_context(cannot)?;
+        let done = crate::clone::copy_tree_at((s, &src), (d, &dst), &mut loans, &mut bar, changed);
+        drop(loans);
         let done = done.with_context(cannot)?;
         say_copied(ctx, (base, target), &done, t0);
         Ok(())
@@ -857,6 +864,14 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>,
         tree.display(),
         held.name
     )
+}
+
+/// Restores what a killed copy left lent on the tree (`loan.rs`) before anyone writes it: a
+/// writer's own chmod to a lent mode would be undone by a later restore.
+fn take_back_loans(root: &Root, held: &Held, images: Option<&Dir>) {
+    if let Some(tree) = images.and_then(|d| d.sub(held.name.encoded()).ok()) {
+        let _ = crate::loan::restore_left(&root.image_lend(&held.name), &tree);
+    }
 }
 
 /// A new image's existing directory is used only if it is an empty one of ours (a write cut short

@@ -90,6 +90,11 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
     for name in &report.interrupted_removals {
         line(format!("{verb} '{name}' (an interrupted removal)"));
     }
+    for name in &report.loans_restored {
+        line(format!(
+            "restored the modes a killed copy of '{name}' left lent"
+        ));
+    }
     let n = report.trash_entries;
     if n > 0 {
         let ending = if n == 1 { "y" } else { "ies" };

@@ -30,7 +30,7 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
             matches!(n, "global.lock" | "store.lock" | "gc.lock" | "probe.lock")
         }),
         (Root::IMAGE_LOCKS_REL.into(), |n| {
-            n.ends_with(".lock") || n.ends_with(".gate")
+            n.ends_with(".lock") || n.ends_with(".gate") || n.ends_with(".lend")
         }),
         ("locks/leases".into(), |n| {
             n.ends_with(".lease") && !n.starts_with('.')

@@ -675,6 +675,14 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         format!("the record in {files} cannot be read, so {them}; 'stowage exec --write {name} -- true' marks one ready again, 'stowage rm {name}' removes it")
     });
     removals(store.ctx(), &entries, repair, report);
+    let (restored, left) = crate::gc::restore_loans(&root, &entries, repair);
+    report.naming("loans", Repaired, &restored, |names| {
+        format!("restored the modes a killed copy of {names} left lent")
+    });
+    report.repairable |= !left.is_empty();
+    report.naming("loans", Problem, &left, |names| {
+        format!("the trees of {names} keep modes a killed copy lent (its owner's read or search bits): the next copy of each, 'stowage gc' or 'stowage doctor --repair' restores them")
+    });
     // Incomplete images: those whose writer failed or died, and those adopted.
     let (adopted, failed): (Vec<&Record>, Vec<_>) = entries
         .iter()

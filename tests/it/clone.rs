@@ -829,6 +829,153 @@ fn an_unprivileged_copy_takes_what_its_owner_may_not_read() {
     assert_eq!(modes(&base).len(), before.len() + 1);
 }
 
+/// `stowage ARGS…` as uid 65534 in the background (`pause`: a debug pause
+/// point, with the file the process makes there); None unless root.
+fn unprivileged_bg(env: &Env, args: &[&str], pause: Option<(&str, &Path)>) -> Option<Bg> {
+    let mut c = as_nobody()?;
+    c.arg(bin()).arg("--root").arg(&env.root).args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    if let Some((point, file)) = pause {
+        c.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("{point}:{}", file.display()),
+        );
+    }
+    Some(Bg::from_command(c))
+}
+
+/// A base of uid 65534 with a directory and files of its own it may not
+/// read (mode 000; one with an access ACL, where the filesystem takes
+/// one): its modes.
+fn base_with_000_entries(env: &Env) -> Vec<(String, u32)> {
+    unprivileged_build(
+        env,
+        "base",
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p etc a; \
+         echo secret > etc/shadow; chmod 000 etc/shadow; \
+         echo x > etc/acl; (setfacl -m u:0:r etc/acl 2>/dev/null || true); \
+         chmod 000 etc/acl; echo inside > a/f; chmod 000 a",
+    );
+    modes(&env.images_dir().join("base"))
+}
+
+/// Two copies of one base by its owner, one of them while the other has
+/// its directory of mode 000 lent (paused after copying the file inside):
+/// the second waits for the loan to end, both copy mode 000, and the base
+/// keeps its modes.
+#[test]
+fn copies_of_a_base_with_entries_lent_to_its_owner_run_at_once_faithfully() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    let before = base_with_000_entries(&env);
+    let pause = env.tmp.path().join("c1-paused");
+    let args = |t: &'static str| ["exec", "--write", t, "--from", "base", "--", "true"];
+    let Some(c1) = unprivileged_bg(&env, &args("c1"), Some(("clone-copying", &pause))) else {
+        return;
+    };
+    wait_for_file(&pause);
+    let mut c2 = unprivileged_bg(&env, &args("c2"), None).unwrap();
+    let lend = env.root.join("locks/images/base.lend");
+    wait_until("the second copy ends or waits for the loan", || {
+        !c2.is_running() || flock_waited_on(&lend)
+    });
+    fs::remove_file(&pause).unwrap();
+    for (c, bg) in [("c1", c1), ("c2", c2)] {
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{c}: {}", show(&out));
+        assert_eq!(modes(&env.images_dir().join(c)), before, "{c}'s modes");
+    }
+    assert_eq!(
+        modes(&env.images_dir().join("base")),
+        before,
+        "the base's modes"
+    );
+}
+
+/// A copy by the base's owner SIGKILLed while it has an entry of mode 000
+/// lent: `doctor` says so, and `doctor --repair`, `gc`, a write of the base
+/// or the next copy of it puts the mode back (the next copy first, so it
+/// copies it as it was).
+#[test]
+fn a_loan_left_by_a_killed_copy_is_taken_back_by_the_next_user() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    let before = base_with_000_entries(&env);
+    let base = env.images_dir().join("base");
+    let args = |t: &'static str| ["exec", "--write", t, "--from", "base", "--", "true"];
+    let kill_lending = |t: &'static str| {
+        let pause = env.tmp.path().join(format!("{t}-paused"));
+        let k = unprivileged_bg(&env, &args(t), Some(("clone-copying", &pause))).unwrap();
+        wait_for_file(&pause);
+        k.kill_all();
+        assert_ne!(modes(&base), before, "nothing was lent");
+    };
+    kill_lending("k1");
+    let out = unprivileged(&env, &["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("killed copy lent"), "{}", show(&out));
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(modes(&base), before, "after doctor --repair");
+    kill_lending("k2");
+    let out = unprivileged(&env, &["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stdout(&out).contains("restored the modes"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(modes(&base), before, "after gc");
+    kill_lending("k3");
+    let out = unprivileged(&env, &["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(modes(&base), before, "after a write of the base");
+    kill_lending("k4");
+    let out = unprivileged(&env, &args("next"));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(modes(&base), before, "after the next copy");
+    assert_eq!(
+        modes(&env.images_dir().join("next")),
+        before,
+        "the copy's modes"
+    );
+}
+
+/// A hard-linked file whose first name is in a directory of mode 000 (the
+/// owner's, copied by the owner): its other name, met after that
+/// directory's copy got its mode, is a link all the same.
+#[test]
+fn an_unprivileged_copy_links_names_of_a_file_first_met_in_a_000_directory() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    // Several, so that readdir meets some before `z`.
+    unprivileged_build(
+        &env,
+        "base",
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir z; for i in 1 2 3 4 5 6 7 8; do \
+         mkdir a$i; echo s > a$i/f; ln a$i/f z/g$i; chmod 000 a$i; done",
+    );
+    let before = modes(&env.images_dir().join("base"));
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "app", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let app = env.images_dir().join("app");
+    assert_eq!(modes(&app), before);
+    for i in 1..=8 {
+        let g = fs::metadata(app.join(format!("z/g{i}"))).unwrap();
+        let f = fs::metadata(app.join(format!("a{i}/f"))).unwrap();
+        assert_eq!((g.ino(), g.nlink()), (f.ino(), 2), "a{i}/f and z/g{i}");
+    }
+}
+
 /// A copy that runs out of file descriptors (it keeps two per level of the
 /// 16 deepest it is in) says which file it stopped at and what to do, and
 /// the image is not ready.
@@ -1200,4 +1347,42 @@ fn a_clone_gains_no_acl_from_the_images_directory() {
         let mode = |i: &str| fs::symlink_metadata(img.join(i).join(f)).unwrap().mode();
         assert_eq!(mode("plain"), mode("copy"), "{f}");
     }
+}
+
+/// A copy by its owner of a base whose directories, 100 deep, keep even
+/// the owner out (000) holds a bounded number of descriptors: a lent level
+/// far above the ones open keeps its loan by its journal line only, and a
+/// hard link is linked through the copy's finished 000 directories holding
+/// the nearest one open. Before, every lent level kept a descriptor, and a
+/// link one per directory on its way.
+#[test]
+fn a_deep_base_lent_at_every_level_is_copied_with_few_open_files() {
+    let env = unprivileged_env();
+    let Some(mut c) = as_nobody() else { return };
+    unprivileged_build(
+        &env,
+        "base",
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir zz; p=.; \
+         for i in $(seq 100); do p=$p/d; mkdir $p; done; \
+         echo s > $p/f; ln $p/f zz/g; echo t > a-top; ln a-top $p/t; \
+         while [ $p != . ]; do chmod 000 $p; p=${p%/d}; done",
+    );
+    let base = env.images_dir().join("base");
+    let before = modes(&base);
+    c.arg(bin()).arg("--root").arg(&env.root);
+    c.args(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    c.stdin(std::process::Stdio::null());
+    with_open_files(&mut c, 96);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let app = env.images_dir().join("app");
+    assert_eq!(modes(&app), before);
+    assert_eq!(modes(&base), before);
+    let bottom = app.join("d/".repeat(100));
+    let ino = |p: std::path::PathBuf| fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(app.join("zz/g")), ino(bottom.join("f")));
+    assert_eq!(ino(app.join("a-top")), ino(bottom.join("t")));
+    let lend = env.root.join("locks/images/base.lend");
+    assert_eq!(fs::metadata(lend).map_or(0, |m| m.len()), 0);
 }
