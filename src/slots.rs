@@ -135,7 +135,7 @@ fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
 
 /// The refusal of a class whose limits a later release wrote, in format `n`.
 fn newer(root: &Root, class: &str, n: u64) -> anyhow::Error {
-    let what = format!("slot class '{class}''s limits, format {n}");
+    let what = format!("the limits of slot class '{class}', format {n}");
     Error::Newer {
         root: root.dir().to_path_buf(),
         what,
@@ -156,6 +156,18 @@ pub fn classes(root: &Root) -> Vec<(String, Class)> {
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
+}
+
+/// A class whose limits a later release wrote: that release's store, refused whole by whatever
+/// lists the classes (`slots`, `lock-status`: "removed", or left out, would be untrue).
+pub fn refuse_newer(root: &Root) -> Result<()> {
+    match classes(root).into_iter().find_map(|(c, k)| match k {
+        Class::Newer(n) => Some((c, n)),
+        _ => None,
+    }) {
+        Some((class, n)) => Err(newer(root, &class, n)),
+        None => Ok(()),
+    }
 }
 
 /// The names of the classes with limits, sorted.

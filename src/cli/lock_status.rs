@@ -48,6 +48,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    // A slot class a later release wrote would show as removed, or not at all.
+    crate::slots::refuse_newer(store.root())?;
     if let Some(target) = &args.why {
         return super::why::run(store, target, args.json);
     }

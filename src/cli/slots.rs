@@ -114,18 +114,7 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     let damaged: Vec<_> = classes
         .filter(|(_, c)| *c == crate::slot_limits::Class::Damaged)
         .collect();
-    // A class a later release wrote: that release's store, refused whole.
-    if let Some((class, crate::slot_limits::Class::Newer(n))) = slots::classes(&root)
-        .into_iter()
-        .find(|(_, c)| matches!(c, crate::slot_limits::Class::Newer(_)))
-    {
-        let what = format!("slot class '{class}''s limits, format {n}");
-        return Err(crate::Error::Newer {
-            root: root.dir().to_path_buf(),
-            what,
-        }
-        .into());
-    }
+    slots::refuse_newer(&root)?;
     for (class, _) in &damaged {
         // Read again: advice to set them again only for limits read and found bad.
         let why = match slots::read_class(&root, class) {
