@@ -1387,3 +1387,53 @@ fn a_record_of_a_newer_format_is_refused_never_rewritten() {
     let out = env.run(["doctor"]);
     assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
 }
+
+/// `images` and `gc` say of an image whose record a later release wrote
+/// what exec says: a newer stowage's, its state not known here — never
+/// `incomplete`, which says its writer failed, nor "cannot be read".
+#[test]
+fn an_image_a_newer_stowage_recorded_is_listed_and_kept_as_such() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("other");
+    let lock = env.lock_file("base");
+    let mut bytes = fs::read(&lock).unwrap();
+    for slot in [0, 4096] {
+        if bytes[slot..].starts_with(b"stowage-record 1\n") {
+            bytes[slot + 15] = b'2';
+        }
+    }
+    fs::write(&lock, &bytes).unwrap();
+    let out = env.ok(["images"]);
+    let row = stdout(&out)
+        .lines()
+        .find(|l| l.starts_with("base "))
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(row.contains(" newer "), "{}", show(&out));
+    assert!(!row.contains("incomplete"), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'base' was written by a newer stowage"),
+        "{}",
+        show(&out)
+    );
+    let json = env.images_json();
+    let base = json.iter().find(|i| i["name"] == "base").unwrap();
+    assert!(base["state"].is_null(), "{json:?}");
+    assert_eq!(base["newer_format"], 2, "{json:?}");
+    let other = json.iter().find(|i| i["name"] == "other").unwrap();
+    assert_eq!(other["state"], "ready", "{json:?}");
+    for args in [&["gc", "--dry-run"][..], &["gc", "--max-size", "0"]] {
+        let out = env.ok(args);
+        let text = format!("{}{}", stdout(&out), stderr(&out));
+        assert!(
+            text.contains("kept 'base'")
+                && text.contains("its record is of a later format (2): a newer stowage's image"),
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert!(!text.contains("cannot be read"), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(fs::read(&lock).unwrap()[..8192], bytes[..8192]);
+    assert!(env.images_dir().join("base").is_dir());
+}
