@@ -100,7 +100,8 @@ pub fn refuse_newer(root: &Root) -> Result<()> {
         return Ok(());
     };
     let mut header = [0u8; 64];
-    match std::os::unix::fs::FileExt::read_at(&file, &mut header, 0) {
+    // A plain read from the start (a fresh open): SQLite's own reads are `pread`s.
+    match std::io::Read::read(&mut &file, &mut header) {
         Ok(64) if header.starts_with(b"SQLite format 3\0") => {}
         _ => return Ok(()),
     }

@@ -48,8 +48,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    // A slot class a later release wrote would show as removed, or not at all.
-    crate::slots::refuse_newer(store.root())?;
     if let Some(target) = &args.why {
         return super::why::run(store, target, args.json);
     }
@@ -219,6 +217,8 @@ pub struct Selection {
 
 /// Every report lock-status shows, from one look: the kernel, leases and records alone.
 pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockReport>> {
+    // First: a slot class a later release wrote refuses the look before any other is made.
+    let slots = crate::slots::reports(look, root)?;
     let mut locks = vec![look.global_report()];
     crate::debug::pause("status-table-read");
     let files = image_lock_files(look, root, sel)?;
@@ -234,7 +234,7 @@ pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockRepo
             locks.push(r);
         }
     }
-    locks.extend(crate::slots::reports(look, root));
+    locks.extend(slots);
     Ok(locks)
 }
 
