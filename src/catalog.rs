@@ -89,6 +89,29 @@ pub fn newer(root: &Root, v: i64) -> anyhow::Error {
     .into()
 }
 
+/// [`newer`] if the catalog's schema version, read from its header (SQLite keeps `user_version`
+/// at bytes 60..64, big-endian), is above ours: read without SQLite, so without taking its locks or
+/// making its journal. A catalog that is missing, no file or not SQLite's is left to its command.
+pub fn refuse_newer(root: &Root) -> Result<()> {
+    let Ok(dir) = root.opened() else {
+        return Ok(());
+    };
+    let Ok(file) = dir.open_read_unchecked("stowage.db") else {
+        return Ok(());
+    };
+    let mut header = [0u8; 64];
+    // A plain read from the start (a fresh open): SQLite's own reads are `pread`s.
+    match std::io::Read::read(&mut &file, &mut header) {
+        Ok(64) if header.starts_with(b"SQLite format 3\0") => {}
+        _ => return Ok(()),
+    }
+    let version = i32::from_be_bytes([header[60], header[61], header[62], header[63]]);
+    match i64::from(version) {
+        v if v > SCHEMA => Err(newer(root, v)),
+        _ => Ok(()),
+    }
+}
+
 /// The catalog, open under the global lock.
 pub struct Catalog<'a> {
     conn: &'a rusqlite::Connection,

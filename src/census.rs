@@ -114,6 +114,17 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
+/// [`crate::Error::Newer`] for the first record in `entries` a later release wrote: that release's
+/// image, which no command of this release may hint, list as its own or remove.
+pub fn newer(root: &Root, entries: &[Entry]) -> Option<crate::Error> {
+    let e = entries.iter().find(|e| e.seen.newer.is_some())?;
+    let name = e.image().unwrap_or_else(|| e.file.clone());
+    Some(crate::Error::Newer {
+        root: root.dir().to_path_buf(),
+        what: format!("the record of image '{name}', format {}", e.seen.newer?),
+    })
+}
+
 /// A record read without its lock, with whether its writer, if it is in flight, still holds the
 /// lock (`probe`: held exclusively now). A writer may finish between the read and the probe: its
 /// lock found free then says nothing of the record read before, so the record is read again after

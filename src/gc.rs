@@ -255,9 +255,13 @@ fn unknown(rows: &[Image], unlisted: &[crate::survey::Unlisted]) -> Vec<String> 
     let recorded = rows
         .iter()
         .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
-        .map(|r| match r.entry.seen.damaged {
-            true => format!("{}: its record cannot be read", r.name()),
-            false => format!("{}: its tree was adopted without a record", r.name()),
+        .map(|r| match (r.entry.seen.newer, r.entry.seen.damaged) {
+            (Some(format), _) => format!(
+                "{}: its record is of a later format ({format}): a newer stowage's image",
+                r.name()
+            ),
+            (None, true) => format!("{}: its record cannot be read", r.name()),
+            (None, false) => format!("{}: its tree was adopted without a record", r.name()),
         });
     let unrecorded = unlisted.iter().map(|u| format!("{}: {}", u.name, u.why));
     recorded.chain(unrecorded).collect()

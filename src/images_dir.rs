@@ -21,6 +21,9 @@ use crate::root::Root;
 /// record is written without one on disk. One lost while images have records is refused, not made
 /// anew: a new one would name the default directory and a new store id.
 pub fn config(root: &Root) -> Result<Config> {
+    if let Some(c) = root.take_config_read() {
+        return Ok(c);
+    }
     if let Some(c) = crate::config::read(root.dir(), root.opened()?)? {
         return Ok(c);
     }

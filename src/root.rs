@@ -32,6 +32,9 @@ pub struct Root {
     /// A descriptor kept in reserve from before this process may create a lock file: a start that
     /// fails out of descriptors lets it go to open the directory it unlinks that file from.
     spare: std::sync::Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>,
+    /// The configuration read to refuse a later release's store before a new image's lock file is
+    /// made ([`Root::refuse_newer_config`]), for that image's start: one read serves both.
+    config_read: std::sync::Arc<std::sync::Mutex<Option<crate::config::Config>>>,
 }
 
 /// What the image lock files tell of the release that used a store last ([`Root::records_tell`]).
@@ -145,14 +148,34 @@ impl Root {
     }
 
     /// A store a later release made is refused whole ([`crate::Error::Newer`], from its
-    /// configuration); any other trouble with that file is left to the command that uses it.
+    /// configuration; its catalog's schema is `catalog::refuse_newer`'s); any other trouble with
+    /// that file is left to the command that uses it.
     pub fn refuse_newer(&self) -> Result<()> {
+        self.newer_config().map(drop)
+    }
+
+    /// [`Root::refuse_newer`] by the configuration alone, before a new image's lock file is made:
+    /// what it read is kept for the image's start ([`Root::take_config_read`]), which would read it
+    /// anyway, so a new image pays no read more for the check.
+    pub fn refuse_newer_config(&self) -> Result<()> {
+        let read = self.newer_config()?;
+        *self.config_read.lock().unwrap_or_else(|e| e.into_inner()) = read;
+        Ok(())
+    }
+
+    /// The configuration [`Root::refuse_newer_config`] read, once.
+    pub fn take_config_read(&self) -> Option<crate::config::Config> {
+        (self.config_read.lock().unwrap_or_else(|e| e.into_inner())).take()
+    }
+
+    /// The configuration, refused if a later release's; `None` if missing or of other trouble.
+    fn newer_config(&self) -> Result<Option<crate::config::Config>> {
         let Ok(dir) = self.opened() else {
-            return Ok(());
+            return Ok(None);
         };
         match crate::config::read(&self.dir, dir) {
             Err(e) if crate::error::is_newer(&e) => Err(e),
-            _ => Ok(()),
+            read => Ok(read.ok().flatten()),
         }
     }
 

@@ -811,10 +811,7 @@ fn start_new(
     write_record(store, &mut img.held, &r)?;
     img.record = Some(r);
     crate::debug::pause("new-recorded");
-    img.made_tree = make_tree(&images, &dir, &name)?;
-    if !img.made_tree {
-        refuse_planted(&images, &dir, &name)?;
-    }
+    img.made_tree = make_new_tree(&images, &dir, &name)?;
     (img.images_dir, img.images) = (Some(dir), Some(images));
     Ok(())
 }
@@ -874,8 +871,42 @@ fn take_back_loans(root: &Root, held: &Held, images: Option<&Dir>) {
     }
 }
 
+/// Makes a new image's tree, or takes the empty one of ours a write cut short left: whether made.
+/// A directory the server says is gone (another host removed it a moment ago; this host's client
+/// still has its name cached) is missing: made once more, freshly asked.
+fn make_new_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<bool> {
+    if make_tree(images, dir, name)? {
+        return Ok(true);
+    }
+    match refuse_planted(images, dir, name) {
+        Err(e) if removed_meanwhile(&e) => {}
+        other => return other.map(|()| false),
+    }
+    if make_tree(images, dir, name)? {
+        return Ok(true);
+    }
+    refuse_planted(images, dir, name)
+        .map(|()| false)
+        .map_err(|e| match removed_meanwhile(&e) {
+            true => anyhow::anyhow!(
+                "image '{name}' is new, but {} was removed a moment ago and this host's filesystem client still names it: try again",
+                dir.join(name.encoded()).display()
+            ),
+            false => e,
+        })
+}
+
+/// Whether `e` is a listing of a directory the server no longer has (`ENOENT`, `ESTALE`).
+fn removed_meanwhile(e: &anyhow::Error) -> bool {
+    let errno = e
+        .downcast_ref::<io::Error>()
+        .and_then(io::Error::raw_os_error);
+    matches!(errno, Some(libc::ENOENT | libc::ESTALE))
+}
+
 /// A new image's existing directory is used only if it is an empty one of ours (a write cut short
-/// made it): anything else is refused, never handed to the builder.
+/// made it): anything else is refused, never handed to the builder; one that cannot be listed
+/// because it is gone is that listing's error, for [`make_new_tree`] to make it anew.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
     // Only a directory is a tree `doctor --repair` adopts, and not every one: advised only there
@@ -894,7 +925,9 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
                 Some(why) => (why, ""),
             },
             Ok(_) => ("a directory with contents".to_owned(), adopt),
-            // On a shared filesystem: most often removed by another host a moment ago.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESTALE)) => {
+                return Err(e.into());
+            }
             Err(e) => (format!("a directory that cannot be listed: {e}"), adopt),
         },
         None => return Ok(()),

@@ -135,7 +135,7 @@ fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
 
 /// The refusal of a class whose limits a later release wrote, in format `n`.
 fn newer(root: &Root, class: &str, n: u64) -> anyhow::Error {
-    let what = format!("slot class '{class}''s limits, format {n}");
+    let what = format!("the limits of slot class '{class}', format {n}");
     Error::Newer {
         root: root.dir().to_path_buf(),
         what,
@@ -156,6 +156,18 @@ pub fn classes(root: &Root) -> Vec<(String, Class)> {
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
+}
+
+/// A class among `classes` whose limits a later release wrote: that release's store, refused
+/// whole by whatever lists the classes (`slots`, `lock-status`: "removed" would be untrue).
+pub fn refuse_newer(root: &Root, classes: &[(String, Class)]) -> Result<()> {
+    match classes.iter().find_map(|(c, k)| match k {
+        Class::Newer(n) => Some((c, *n)),
+        _ => None,
+    }) {
+        Some((class, n)) => Err(newer(root, class, n)),
+        None => Ok(()),
+    }
 }
 
 /// The names of the classes with limits, sorted.
@@ -381,9 +393,12 @@ pub fn report_of(
 }
 
 /// Reports of configured classes, and of removed ones whose directory stays for a holder or waiter.
-pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
+/// A class whose limits a later release wrote refuses the whole look (it would show as removed).
+pub fn reports(look: &Look, root: &Root) -> Result<Vec<LockReport>> {
+    let classes = classes(root);
+    refuse_newer(root, &classes)?;
     let mut out = Vec::new();
-    for (class, c) in classes(root) {
+    for (class, c) in classes {
         let limits = c.limits();
         let r = report(look, root, &class, limits);
         if limits.is_some() || !r.holders.is_empty() || !r.waiters.is_empty() {
@@ -393,7 +408,7 @@ pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
             tidy_removed(root, &class);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Takes away a removed class's files nobody holds, then its directory if empty, under the global

@@ -119,6 +119,16 @@ impl Hold {
             .holds
             .iter()
             .any(|h| h.lockfile.starts_with("images/"));
+        // A later release's store, or image, is refused before its users are waited for and its
+        // lock files hinted: the hold would stop every user of that release's store for nothing.
+        store.root().refuse_newer()?;
+        crate::catalog::refuse_newer(store.root())?;
+        let root = store.root();
+        if root.holds_store()
+            && let Some(newer) = crate::census::newer(root, &crate::census::take(root)?)
+        {
+            return Err(newer.into());
+        }
         loop {
             let hold = match Hold::take_raw(store, command, deadline, no_wait || under_image) {
                 Err(e)

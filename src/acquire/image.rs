@@ -67,11 +67,19 @@ impl Want<'_> {
 pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
     let root = store.root();
     let path = root.image_lock(name);
-    let first = match try_image(root, name, want.mode, want.create) {
+    // A lock file is made only once a later release's store is ruled out: asked first without
+    // making one, so an existing image's lock (which says it) costs nothing more.
+    let first = match try_image(root, name, want.mode, false) {
         Err(e) if e.kind() == io::ErrorKind::NotFound && want.create => {
-            // The layout does not exist yet: the first use of this root.
-            root.create_layout()?;
-            try_image(root, name, want.mode, true)
+            root.refuse_newer_config()?;
+            match try_image(root, name, want.mode, true) {
+                // The layout does not exist yet: the first use of this root.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    root.create_layout()?;
+                    try_image(root, name, want.mode, true)
+                }
+                other => other,
+            }
         }
         // No lock file: no such image, or no store here at all (a mistyped root), said as such.
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -415,7 +423,7 @@ fn no_such(name: &ImageName) -> anyhow::Error {
 /// written nor removed here.
 pub(crate) fn newer(root: &Root, held: &Held) -> Option<Error> {
     let what = format!(
-        "image '{}''s record, format {}",
+        "the record of image '{}', format {}",
         held.name, held.seen.newer?
     );
     Some(Error::Newer {

@@ -22,7 +22,10 @@ pub struct Args {
 #[derive(Serialize)]
 struct ImageJson<'a> {
     name: &'a str,
-    state: &'static str,
+    /// null for an image a newer stowage recorded (its state is not known here).
+    state: Option<&'static str>,
+    /// The format of such an image's record (extra field; null for this release's).
+    newer_format: Option<u64>,
     size_bytes: Option<u64>,
     base: Option<&'a str>,
     /// null for a stored time RFC 3339 cannot express.
@@ -56,12 +59,27 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // By name as the user writes it (the survey goes by lock file name: 'app%sub' before 'app').
     images.sort_by(|a, b| a.name().cmp(b.name()));
     let sharing = Sharing::measure(store, &images);
+    if let Some(r) = images.iter().find(|r| r.entry.seen.newer.is_some()) {
+        let (name, more) = (
+            r.name(),
+            images.iter().filter(|r| state(r).is_none()).count() - 1,
+        );
+        let others = if more > 0 {
+            format!(" (and {more} more)")
+        } else {
+            String::new()
+        };
+        store.ctx().say(&format!(
+            "image '{name}'{others} was written by a newer stowage: its state is not known here; upgrade stowage"
+        ));
+    }
     if args.json {
         let out: Vec<ImageJson> = images
             .iter()
             .map(|r| ImageJson {
                 name: r.name(),
-                state: r.state.as_str(),
+                state: state(r),
+                newer_format: r.entry.seen.newer,
                 size_bytes: r.size,
                 base: r.record.base.as_deref(),
                 created: clock::rfc3339(r.record.created),
@@ -86,7 +104,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         let used = in_use.contains(r.name());
         table.push([
             r.name().to_owned(),
-            r.state.as_str().into(),
+            state(r).unwrap_or("newer").into(),
             r.size.map_or_else(|| "?".into(), disk_usage::human),
             r.record.base.clone().unwrap_or_else(|| "-".into()),
             clock::local_minutes(r.record.created),
@@ -100,6 +118,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         out.push('\n');
     }
     super::print(&out).map(|()| 0)
+}
+
+/// The image's state, `None` where a newer stowage wrote its record (this release cannot read it:
+/// "incomplete" would say its writer failed).
+fn state(r: &Image) -> Option<&'static str> {
+    r.entry.seen.newer.is_none().then(|| r.state.as_str())
 }
 
 /// Shared extents between images on a filesystem that can share them (reflink clones): what each

@@ -217,6 +217,8 @@ pub struct Selection {
 
 /// Every report lock-status shows, from one look: the kernel, leases and records alone.
 pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockReport>> {
+    // First: a slot class a later release wrote refuses the look before any other is made.
+    let slots = crate::slots::reports(look, root)?;
     let mut locks = vec![look.global_report()];
     crate::debug::pause("status-table-read");
     let files = image_lock_files(look, root, sel)?;
@@ -232,7 +234,7 @@ pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockRepo
             locks.push(r);
         }
     }
-    locks.extend(crate::slots::reports(look, root));
+    locks.extend(slots);
     Ok(locks)
 }
 

@@ -192,11 +192,13 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Slots(a) => matches!(a.action, Some(slots::Action::Set { .. })),
         _ => false,
     };
-    // A later release's store is refused before anything reads or writes it. `exec`, whose calls
-    // the contract counts, reads the configuration only for a new image: of an existing one it
-    // learns a later release's hand from the image's record; doctor reports it.
+    // A later release's store (its configuration, its catalog's schema) is refused before anything
+    // reads or writes it. `exec`, whose calls the contract counts, reads the configuration only
+    // before a new image's lock file or a store-wide hold: of an existing image it learns a later
+    // release's hand from the image's record; doctor reports it.
     if !matches!(cli.command, Command::Exec(_) | Command::Doctor(_)) {
         store.root().refuse_newer()?;
+        crate::catalog::refuse_newer(store.root())?;
     }
     let ctx = store.ctx_mut();
     ctx.quiet = cli.quiet;

@@ -110,22 +110,13 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     // Something planted in a lock directory's place is not "no classes".
     root.check_lock_dirs(|line| store.ctx().say(line))?;
     // A class whose limits cannot be read is not listed: said why, once.
-    let classes = slots::classes(&root).into_iter();
+    let classes = slots::classes(&root);
+    // A class a later release wrote: that release's store, refused whole (before anything is said).
+    slots::refuse_newer(&root, &classes)?;
     let damaged: Vec<_> = classes
+        .into_iter()
         .filter(|(_, c)| *c == crate::slot_limits::Class::Damaged)
         .collect();
-    // A class a later release wrote: that release's store, refused whole.
-    if let Some((class, crate::slot_limits::Class::Newer(n))) = slots::classes(&root)
-        .into_iter()
-        .find(|(_, c)| matches!(c, crate::slot_limits::Class::Newer(_)))
-    {
-        let what = format!("slot class '{class}''s limits, format {n}");
-        return Err(crate::Error::Newer {
-            root: root.dir().to_path_buf(),
-            what,
-        }
-        .into());
-    }
     for (class, _) in &damaged {
         // Read again: advice to set them again only for limits read and found bad.
         let why = match slots::read_class(&root, class) {
@@ -138,7 +129,7 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         store.ctx().say(&why);
     }
     let look = crate::holders::Look::new(store.ctx());
-    let reports: Vec<_> = slots::reports(&look, &root)
+    let reports: Vec<_> = slots::reports(&look, &root)?
         .into_iter()
         .filter_map(|r| Some((r.slot?, r)))
         .collect();

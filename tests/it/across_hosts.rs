@@ -1510,3 +1510,24 @@ fn a_configuration_another_host_replaced_is_read_afresh() {
         ok(a.stowage_run(&root, ["rm", &format!("new{i}")]));
     }
 }
+
+/// A host that just looked at an image another host then removed makes it
+/// anew at once: its client's cached entry for the gone tree (the server
+/// says it is not there when it is listed) is no directory planted there.
+#[test]
+fn an_image_removed_on_another_host_is_made_anew_at_once() {
+    let Some(c) = Cluster::start("remadeatonce", 2) else {
+        return;
+    };
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    let state = "echo done > $STOWAGE_IMAGE_DIR/state";
+    for round in 0..3 {
+        ok(a.stowage_run(&root, ["exec", "--write", "x", "--", "sh", "-c", state]));
+        let read = "cat $STOWAGE_IMAGES_DIR/x/state";
+        ok(b.stowage_run(&root, ["exec", "--read", "x", "--", "sh", "-c", read]));
+        ok(a.stowage_run(&root, ["rm", "x"]));
+        let out = b.stowage_run(&root, ["exec", "--write", "x", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "round {round}: {}", show(&out));
+        ok(b.stowage_run(&root, ["rm", "x"]));
+    }
+}

@@ -1380,10 +1380,168 @@ fn a_record_of_a_newer_format_is_refused_never_rewritten() {
         &["exec", "--write", "base", "--", "true"],
         &["rm", "base"],
     ] {
-        assert_refused_as_newer(&env, args, "image 'base''s record, format 2");
+        assert_refused_as_newer(&env, args, "the record of image 'base', format 2");
     }
     assert_eq!(fs::read(&lock).unwrap()[..4096], bytes[..4096]);
     assert!(env.images_dir().join("base").is_dir());
     let out = env.run(["doctor"]);
     assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
+}
+
+/// `images` and `gc` say of an image whose record a later release wrote
+/// what exec says: a newer stowage's, its state not known here — never
+/// `incomplete`, which says its writer failed, nor "cannot be read".
+#[test]
+fn an_image_a_newer_stowage_recorded_is_listed_and_kept_as_such() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("other");
+    let lock = env.lock_file("base");
+    let mut bytes = fs::read(&lock).unwrap();
+    for slot in [0, 4096] {
+        if bytes[slot..].starts_with(b"stowage-record 1\n") {
+            bytes[slot + 15] = b'2';
+        }
+    }
+    fs::write(&lock, &bytes).unwrap();
+    let out = env.ok(["images"]);
+    let row = stdout(&out)
+        .lines()
+        .find(|l| l.starts_with("base "))
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(row.contains(" newer "), "{}", show(&out));
+    assert!(!row.contains("incomplete"), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'base' was written by a newer stowage"),
+        "{}",
+        show(&out)
+    );
+    let json = env.images_json();
+    let base = json.iter().find(|i| i["name"] == "base").unwrap();
+    assert!(base["state"].is_null(), "{json:?}");
+    assert_eq!(base["newer_format"], 2, "{json:?}");
+    let other = json.iter().find(|i| i["name"] == "other").unwrap();
+    assert_eq!(other["state"], "ready", "{json:?}");
+    for args in [&["gc", "--dry-run"][..], &["gc", "--max-size", "0"]] {
+        let out = env.ok(args);
+        let text = format!("{}{}", stdout(&out), stderr(&out));
+        assert!(
+            text.contains("kept 'base'")
+                && text.contains("its record is of a later format (2): a newer stowage's image"),
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert!(!text.contains("cannot be read"), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(fs::read(&lock).unwrap()[..8192], bytes[..8192]);
+    assert!(env.images_dir().join("base").is_dir());
+}
+
+/// Every file under the root and what it holds: a refused command must
+/// change none of it.
+fn store_snapshot(env: &Env) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = walkdir_files(&env.root)
+        .into_iter()
+        .map(|p| {
+            let rel = p.strip_prefix(&env.root).unwrap().display().to_string();
+            (rel, fs::read(&p).unwrap_or_default())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// Asserts each command line (run as on NFS, where lock files stay) is
+/// refused as a later release's store with `what`, and changes no file.
+fn assert_refused_untouched(env: &Env, commands: &[&[&str]], what: &str) {
+    for args in commands {
+        let before = store_snapshot(env);
+        let out = env
+            .cmd(*args)
+            .env("STOWAGE_DEBUG_FILESYSTEM", "nfs")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("was made by a newer stowage") && err.contains(what),
+            "{args:?}: {}",
+            show(&out)
+        );
+        let names = |s: &[(String, Vec<u8>)]| s.iter().map(|f| f.0.clone()).collect::<Vec<_>>();
+        let after = store_snapshot(env);
+        assert_eq!(
+            names(&after),
+            names(&before),
+            "{args:?} made or removed files"
+        );
+        assert!(after == before, "{args:?} wrote into the store");
+    }
+}
+
+/// A store of a later release is refused by every command before it takes,
+/// waits for, creates or writes anything: the store-wide hold is not taken
+/// (no user is waited for, no lock file hinted), no lock file is made for a
+/// new image, gc takes no lock, and a catalog of a later schema keeps every
+/// command but exec off, `rm` included.
+#[test]
+fn a_newer_store_is_refused_before_anything_is_taken_or_written() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    env.ok(["slots", "set", "p", "1"]);
+    let every: &[&[&str]] = &[
+        &["exec", "--store-wide", "--", "true"],
+        &["exec", "--store-wide", "--no-wait", "--", "true"],
+        &["exec", "--write", "fresh", "--", "true"],
+        &["exec", "--write", "fresh", "--from", "a", "--", "true"],
+        &["exec", "--slot", "p", "--write", "fresh", "--", "true"],
+        &["rm", "a"],
+        &["gc"],
+        &["gc", "--dry-run"],
+        &["images"],
+        &["lock-status"],
+        &["slots"],
+        &["slots", "set", "p", "2"],
+        &["slots", "rm", "p"],
+        &["init"],
+    ];
+    // A user of image a: a store-wide command would wait for it.
+    let reader = env.hold(&["--read", "a"], "reading");
+    let conf = env.root.join("store.conf");
+    let text = fs::read_to_string(&conf).unwrap();
+    fs::write(
+        &conf,
+        text.replacen("stowage-store 1\n", "stowage-store 2\n", 1),
+    )
+    .unwrap();
+    assert_refused_untouched(&env, every, "store.conf format 2");
+    fs::write(&conf, &text).unwrap();
+
+    let db = env.root.join("stowage.db");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.pragma_update(None, "user_version", 12).unwrap();
+    drop(conn);
+    let schema = "schema version 12";
+    let but_exec: Vec<&[&str]> = every.iter().copied().filter(|a| a[0] != "exec").collect();
+    assert_refused_untouched(&env, &but_exec, schema);
+    // exec reads no catalog, but a store-wide hold is refused by it too.
+    assert_refused_untouched(&env, &every[..2], schema);
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.pragma_update(None, "user_version", 11).unwrap();
+    drop(conn);
+
+    // A record of a later format (b's, not in use): a store-wide hold would hint it.
+    let lock = env.lock_file("b");
+    let mut bytes = fs::read(&lock).unwrap();
+    for slot in [0, 4096] {
+        if bytes[slot..].starts_with(b"stowage-record 1\n") {
+            bytes[slot + 15] = b'2';
+        }
+    }
+    fs::write(&lock, &bytes).unwrap();
+    assert_refused_untouched(&env, &every[..2], "the record of image 'b', format 2");
+    env.release("release");
+    assert!(reader.finish().status.success());
 }

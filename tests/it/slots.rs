@@ -1271,6 +1271,43 @@ fn limits_of_a_newer_format_are_refused_never_rewritten() {
     assert_eq!(fs::read(&zero).unwrap(), bytes);
 }
 
+/// `lock-status` refuses a slot class whose limits a later release wrote, as
+/// `slots` does: free it would leave the class out, held call it removed,
+/// both untrue (and exit 0).
+#[test]
+fn lock_status_refuses_limits_of_a_newer_format_free_or_held() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let zero = env.root.join("locks/slots/pull/0.lock");
+    let mut bytes = fs::read(&zero).unwrap();
+    for at in 0..bytes.len() {
+        if bytes[at..].starts_with(b"stowage-class 1\n") {
+            bytes[at + 14] = b'2';
+        }
+    }
+    fs::write(&zero, &bytes).unwrap();
+    let refused = |when: &str| {
+        for args in [&["lock-status"][..], &["lock-status", "--json"]] {
+            let out = env.run(args);
+            assert_eq!(code(&out), Some(1), "{when} {args:?}: {}", show(&out));
+            let err = stderr(&out);
+            assert!(
+                err.contains("made by a newer stowage")
+                    && err.contains("the limits of slot class 'pull', format 2"),
+                "{when} {args:?}: {}",
+                show(&out)
+            );
+            assert!(!stdout(&out).contains("removed"), "{}", show(&out));
+        }
+    };
+    refused("free");
+    let started = env.sentinel("held");
+    let holder = flock_holder(&zero, &started, "sleep 60");
+    refused("held");
+    holder.kill_all();
+    assert_eq!(fs::read(&zero).unwrap(), bytes);
+}
+
 /// A command of a killed exec that closed its slot's descriptors, keeping the lease it inherited,
 /// holds no slot: a call it nests in that class waits for the process that took the freed slot
 /// (a lease held proved none of the locks it lists, and the call ran over the limit).
