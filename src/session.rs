@@ -866,8 +866,18 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>,
 /// Restores what a killed copy left lent on the tree (`loan.rs`) before anyone writes it: a
 /// writer's own chmod to a lent mode would be undone by a later restore.
 fn take_back_loans(root: &Root, held: &Held, images: Option<&Dir>) {
-    if let Some(tree) = images.and_then(|d| d.sub(held.name.encoded()).ok()) {
-        let _ = crate::loan::restore_left(&root.image_lend(&held.name), &tree);
+    use crate::lock::{IfMissing, Mode};
+    let path = root.image_lend(&held.name);
+    // The lend file first: where no copy lent (none, or an empty one), the tree is not opened (each
+    // open a server request).
+    let Ok(Some(lend)) = crate::lock::acquire_no_wait(&path, Mode::Exclusive, IfMissing::Fail)
+    else {
+        return;
+    };
+    if lend.file().metadata().is_ok_and(|m| m.len() > 0)
+        && let Some(tree) = images.and_then(|d| d.sub(held.name.encoded()).ok())
+    {
+        let _ = crate::loan::restore(lend.file(), &tree);
     }
 }
 
