@@ -210,42 +210,85 @@ fn unhex(word: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// At most this much of a journal is read: a loan's line is under 600 bytes, a tree's loans at
+/// once one a level; a bigger file (planted) is read no further, then emptied.
+const JOURNAL_MAX: u64 = 1 << 20;
+
 /// Restores, last first, every loan journaled in `journal` (held exclusively) on the tree `top`,
 /// then empties it. A line cut short by a crash was never lent (lines are synced before the chmod).
+/// In a group store any member may write the journal: a line is taken only for what a loan can
+/// be (owner read and search bits added, nothing else), on an inode of the tree (no `..`) that is
+/// the restorer's. One of another user's is kept, and said: that user (or root) restores it.
 pub fn restore(journal: &File, top: &Dir) -> io::Result<()> {
     // By offset: the descriptor's position is the lock's business.
-    let mut text = vec![0u8; journal.metadata()?.len() as usize];
+    let len = journal.metadata()?.len().min(JOURNAL_MAX);
+    let mut text = vec![0u8; len as usize];
     if text.is_empty() {
         return Ok(());
     }
     journal.read_exact_at(&mut text, 0)?;
     let text = String::from_utf8_lossy(&text);
+    let mut kept: Vec<(&str, u32)> = Vec::new();
     for line in text.split_terminator('\n').rev() {
-        let w: Vec<&str> = line.split(' ').collect();
-        let [was, lent, dev, ino, names] = w[..] else {
-            continue;
-        };
-        let num = |s: &str, radix| u64::from_str_radix(s, radix).ok();
-        let (Some(was), Some(lent), Some(dev), Some(ino), Some(names)) = (
-            num(was, 8),
-            num(lent, 8),
-            num(dev, 10),
-            num(ino, 10),
-            unhex(names),
-        ) else {
-            continue;
-        };
-        let Ok(fd) = open_journaled(top, &names) else {
-            continue;
-        };
-        let st = dir::fstat(&fd)?;
-        // Another inode at that name now, or a mode changed since by a writer: not ours to set.
-        if (st.st_dev, st.st_ino) == (dev, ino) && u64::from(st.st_mode & 0o7777) == lent {
-            dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t)?;
+        if let Some(owner) = restore_line(line, top)? {
+            kept.push((line, owner));
         }
     }
+    let left: String = kept.iter().rev().map(|(l, _)| format!("{l}\n")).collect();
     journal.set_len(0)?;
-    journal.sync_data()
+    journal.write_all_at(left.as_bytes(), 0)?;
+    journal.sync_data()?;
+    match kept.first() {
+        None => Ok(()),
+        Some((_, uid)) => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('stowage doctor --repair')"
+            ),
+        )),
+    }
+}
+
+/// Puts back the loan journaled in `line` where it is one (see [`restore`]); `Some(owner)` where the
+/// inode is another user's, so not ours to set.
+fn restore_line(line: &str, top: &Dir) -> io::Result<Option<u32>> {
+    let w: Vec<&str> = line.split(' ').collect();
+    let [was, lent, dev, ino, names] = w[..] else {
+        return Ok(None);
+    };
+    let num = |s: &str, radix| u64::from_str_radix(s, radix).ok();
+    let (Some(was), Some(lent), Some(dev), Some(ino), Some(names)) = (
+        num(was, 8),
+        num(lent, 8),
+        num(dev, 10),
+        num(ino, 10),
+        unhex(names),
+    ) else {
+        return Ok(None);
+    };
+    // A loan adds owner read (and search) bits, and nothing else.
+    let added = lent & !was;
+    if lent > 0o7777 || was & !lent != 0 || added == 0 || added & !0o500 != 0 {
+        return Ok(None);
+    }
+    let inside = |n: &[u8]| !n.is_empty() && n != b"." && n != b"..";
+    if !names.split(|b| *b == b'/').all(inside) {
+        return Ok(None);
+    }
+    let Ok(fd) = open_journaled(top, &names) else {
+        return Ok(None);
+    };
+    let st = dir::fstat(&fd)?;
+    // Another inode at that name now, or a mode changed since by a writer: not ours to set.
+    if (st.st_dev, st.st_ino) != (dev, ino) || u64::from(st.st_mode & 0o7777) != lent {
+        return Ok(None);
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if st.st_uid != me && me != 0 {
+        return Ok(Some(st.st_uid));
+    }
+    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t)?;
+    Ok(None)
 }
 
 /// Restores what a killed lender left journaled in the lend file at `path` on the tree `top`, if no

@@ -1386,3 +1386,39 @@ fn a_deep_base_lent_at_every_level_is_copied_with_few_open_files() {
     let lend = env.root.join("locks/images/base.lend");
     assert_eq!(fs::metadata(lend).map_or(0, |m| m.len()), 0);
 }
+
+/// A lend file any member of a group store may write is taken only for what a loan can be: a line
+/// naming a path out of the base (`..`), or a mode a loan never gives (setuid, write bits), is
+/// passed over by whoever restores loans (gc here), and a huge file is read only so far. A forged
+/// line made gc set a file outside the store setuid and world-writable; a sparse terabyte aborted
+/// it (memory).
+#[test]
+fn a_forged_lend_file_changes_nothing_outside_what_a_loan_lent() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new();
+    env.build("base", "echo x > \"$STOWAGE_IMAGE_DIR/f\"");
+    let victim = env.tmp.path().join("victim");
+    fs::write(&victim, "secret").unwrap();
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+    let f = env.root.join("img/base/f");
+    let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    let line = |p: &Path, rel: &str, was: u32| {
+        let m = fs::metadata(p).unwrap();
+        let lent = m.mode() & 0o7777;
+        format!("{was:o} {lent:o} {} {} {}\n", m.dev(), m.ino(), hex(rel))
+    };
+    let lend = env.root.join("locks/images/base.lend");
+    let journal = line(&victim, "../../../victim", 0o4777) + &line(&f, "f", 0o4644);
+    fs::write(&lend, journal).unwrap();
+    env.ok(["gc"]);
+    let mode = |p: &Path| fs::metadata(p).unwrap().mode() & 0o7777;
+    assert_eq!(mode(&victim), 0o600);
+    assert_eq!(mode(&f), 0o644);
+    let huge = fs::OpenOptions::new().write(true).open(&lend).unwrap();
+    huge.set_len(1 << 40).unwrap();
+    drop(huge);
+    let out = env.run(["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
