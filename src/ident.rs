@@ -120,26 +120,31 @@ fn passwd_text() -> Option<String> {
 
 /// The name of `uid` in the text of a password file (not a comment, nor an NIS `+`/`-` line).
 fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
-    let skipped = |name: &str| name.is_empty() || name.starts_with(['#', '+', '-']);
-    let (name, _) = id_entries(text).find(|&(name, id)| id == uid && !skipped(name))?;
-    Some(name.to_owned())
+    Some(fields_of(text, uid)?[0].to_owned())
 }
 
 /// Whether user `uid` is in group `gid` by `/etc/passwd` (its primary group) and `/etc/group` (its
 /// members), read directly; `None` where they do not know the user or the group.
 pub fn user_in_group(uid: u32, gid: u32) -> Option<bool> {
     let text = passwd_text()?;
-    let line =
-        (text.lines()).find(|l| l.split(':').nth(2).and_then(|u| u.parse().ok()) == Some(uid))?;
-    let fields: Vec<&str> = line.split(':').collect();
-    if fields.get(3).and_then(|g| g.parse().ok()) == Some(gid) {
+    let user = fields_of(&text, uid)?;
+    if user.get(3).and_then(|g| g.parse().ok()) == Some(gid) {
         return Some(true);
     }
     let groups = std::fs::read_to_string("/etc/group").ok()?;
-    let group =
-        (groups.lines()).find(|l| l.split(':').nth(2).and_then(|g| g.parse().ok()) == Some(gid))?;
-    let members = group.split(':').nth(3).unwrap_or_default();
-    Some(members.split(',').any(|m| m == fields[0]))
+    let members = fields_of(&groups, gid)?.get(3).copied().unwrap_or_default();
+    Some(members.split(',').any(|m| m == user[0]))
+}
+
+/// The fields of the line of a password or group file that numbers `id` (not a comment, nor an
+/// NIS `+`/`-` line), as [`id_entries`] reads them.
+fn fields_of(text: &str, id: u32) -> Option<Vec<&str>> {
+    let skipped = |name: &str| name.is_empty() || name.starts_with(['#', '+', '-']);
+    let line = text.lines().find(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        !skipped(f[0]) && f.get(2).and_then(|n| n.parse().ok()) == Some(id)
+    })?;
+    Some(line.split(':').collect())
 }
 
 /// "'users' (100)", by `/etc/group` (read directly: a static binary has no NSS); the number alone
