@@ -63,6 +63,12 @@ pub fn start(
 /// so again if it changed meanwhile.
 pub fn check_runnable(program: &std::ffi::OsStr) -> anyhow::Result<()> {
     use std::os::unix::ffi::OsStrExt;
+    if program.is_empty() {
+        // Else the search would find each PATH directory itself and say "Permission denied".
+        return Err(
+            error::Error::Usage("cannot run '': the command's name is empty".into()).into(),
+        );
+    }
     let what = program.to_string_lossy();
     let fail = |errno| not_run(std::io::Error::from_raw_os_error(errno).into(), &what);
     if program.as_bytes().contains(&b'/') {

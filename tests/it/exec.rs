@@ -1006,7 +1006,7 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
 /// directory given as the command is "a directory" (it was "Permission
 /// denied"), and no "(os error N)" trails the cause. So is the written
 /// image's own directory; a new image's is not there when the command is
-/// looked for, before anything is made.
+/// looked for, before anything is made. An empty name is a usage error.
 #[test]
 fn a_command_that_cannot_start_is_said_plainly() {
     let env = Env::new();
@@ -1038,6 +1038,16 @@ fn a_command_that_cannot_start_is_said_plainly() {
         assert!(!err.contains("os error"), "{}", show(&out));
         assert_eq!(err.trim_end().lines().count(), 1, "{}", show(&out));
     }
+    assert!(env.image("app").is_none());
+    // An empty name is a mistake in the call, not a file denied ("Permission denied": the search
+    // found each PATH directory itself).
+    let out = env.run(["exec", "--write", "app", "--", ""]);
+    assert_eq!(code(&out), Some(64), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("cannot run '': the command's name is empty"),
+        "{}",
+        show(&out)
+    );
     assert!(env.image("app").is_none());
     // Whatever the words hold, one line and no escape reaching the terminal
     // (a command given without '--' was printed raw, over three lines).
