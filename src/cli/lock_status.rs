@@ -154,6 +154,12 @@ fn party(p: &Party) -> String {
         let (at, ago) = (clock::local_short(t), clock::ago(t));
         s.push_str(&format!(" since {at} ({ago} ago)"));
     }
+    // A stopped party keeps its lock (or its place ahead of new readers) until it goes on.
+    match crate::holders::stopped(p) {
+        Some(crate::holders::Stopped::BySignal) => s.push_str(" [stopped]"),
+        Some(crate::holders::Stopped::ByTracer) => s.push_str(" [stopped by its tracer]"),
+        None => {}
+    }
     match p.stowage {
         _ if p.kept => s.push_str(" [kept it after the exec that took it ended]"),
         Some(true) => {}

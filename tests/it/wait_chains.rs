@@ -278,7 +278,7 @@ fn why_of_a_reader_names_the_writer_queued_ahead_as_queued_not_as_a_holder() {
 
 /// A writer stopped (`^Z`, SIGSTOP) while it waits, once the lock it waits
 /// for is free, keeps the gate and so every new reader out: lock-status
-/// lists it (the lock free, its waiters shown), `--why` ends the readers'
+/// lists it (the lock free, its waiters shown, it marked stopped), `--why` ends the readers'
 /// chain at it and says to continue it, and a reader that gives up names
 /// it. Before, each said nobody waits, and the reader "a writer".
 #[test]
@@ -305,6 +305,9 @@ fn a_writer_stopped_while_waiting_for_a_free_lock_is_named_as_what_keeps_readers
     assert_eq!(entry["state"], "free", "{entry}");
     let waiters = entry["waiters"].as_array().unwrap();
     assert!(waiters.iter().any(|w| w["pid"] == writer.pid()), "{entry}");
+    let table = stdout(&env.ok(["lock-status", "app"]));
+    let row = table.lines().find(|l| l.contains(&format!("{stopped} ")));
+    assert!(row.is_some_and(|l| l.contains("[stopped]")), "{table}");
     let out = env.ok(["lock-status", "--why", "app"]);
     let text = String::from_utf8_lossy(&out.stdout);
     let advice = format!("is stopped: continue it (kill -CONT {})", writer.pid());
