@@ -14,10 +14,10 @@ use crate::store::Store;
 
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
-    stowage exec --read alpine:3.17 --write app -- \\\n      \
+    stowage exec --no-inherit --read alpine:3.17 --write app -- \\\n      \
     ch-image --no-lock --no-cache build -t app .\n  \
     stowage exec --write base --wait 30 -- ./pull base\n  \
-    stowage exec --store-wide -- ch-image --no-lock build-cache --gc\n\n\
+    stowage exec --no-inherit --store-wide -- ch-image --no-lock build-cache --gc\n\n\
     Exit status: the command's own; 128+N if it died of signal N; 64 bad usage or name;\n\
     66 an image to read does not exist or is not ready; 69 locking does not work here;\n\
     75 a lock was busy past --wait/--no-wait (or --conflict-exit-code); 1 other failures.")]

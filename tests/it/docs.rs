@@ -397,7 +397,7 @@ const OTHER_EXAMPLES: &[(&str, &str)] = &[
         "round_trips::execs_cost_no_more_round_trips_than_the_contract_allows",
     ),
     (
-        "exec stowage exec --slot ch-cache --write \"$1\"",
+        "exec stowage exec --no-inherit --slot ch-cache --write \"$1\"",
         "docs::every_stowage_example_in_the_docs_runs",
     ),
     (
@@ -579,4 +579,39 @@ fn the_readme_headline_example_says_which_bases_it_suits() {
     for says in ["pulled", "--no-cache", "metadata.json", "scripts/ch-build"] {
         assert!(beside.contains(says), "{says}: {beside}");
     }
+}
+
+/// Every example that runs ch-image itself as the command gives
+/// `--no-inherit`: ch-image starts its `RUN` steps with the inherited
+/// descriptors closed, so with inherited locks a build killed alone let go
+/// of them while its `RUN` step still wrote the image. README's headline
+/// example and `exec --help`'s did not.
+#[test]
+fn every_example_running_ch_image_keeps_its_locks_with_no_inherit() {
+    let help = stdout(&Env::new().ok(["exec", "--help"]));
+    let mut texts: Vec<(String, String)> = examples()
+        .into_iter()
+        .map(|e| (format!("{}:{}", e.file, e.line), e.text))
+        .collect();
+    let joined = help.replace("\\\n", " ");
+    let lines = joined
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("stowage exec"));
+    texts.extend(lines.map(|l| ("exec --help".to_owned(), l.to_owned())));
+    let mut checked = 0;
+    for (at, text) in texts {
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let Some(dash) = words.iter().position(|w| *w == "--") else {
+            continue;
+        };
+        if words[0] == "stowage"
+            && words.get(1) == Some(&"exec")
+            && words.get(dash + 1) == Some(&"ch-image")
+        {
+            checked += 1;
+            assert!(words[..dash].contains(&"--no-inherit"), "{at}: {text}");
+        }
+    }
+    assert!(checked >= 3, "{checked}");
 }
