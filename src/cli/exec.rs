@@ -84,10 +84,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 fn refuse_before_anything_is_made(root: &crate::root::Root, plan: &Plan) -> Result<()> {
     crate::command::check_runnable(&plan.argv[0])?;
     let req = &plan.request;
+    // Said as a read alone says it: the root (mistyped, most often) is what is missing.
     match req.reads.first() {
-        Some(name) if !req.writes.is_empty() && !root.holds_store() => {
-            Err(crate::Error::NoSuchImage(vec![name.to_string()]).into())
-        }
+        Some(_) if !req.writes.is_empty() => root.require_store(),
         _ => Ok(()),
     }
 }

@@ -26,13 +26,14 @@ fn name_json<S: serde::Serializer>(name: &ImageName, s: S) -> Result<S::Ok, S::E
 
 pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     let target = target(raw)?;
+    // The root first: a mistyped one is what a pid asked of it would otherwise be blamed for.
+    store.require_root()?;
     // A pid no process has would get "waits for no lock", as if it were one that waits for none.
     if let Target::Pid(pid) = target
         && !crate::ident::process_exists(pid)
     {
         return Err(crate::Error::NoSuchProcess(pid).into());
     }
-    store.require_root()?;
     let root = store.root().clone();
     let look = Look::new(store.ctx());
     // Every lock held or awaited (a chain goes where it goes) and the one asked, even if free.

@@ -1208,8 +1208,8 @@ fn a_command_that_cannot_start_leaves_no_copy_of_the_base() {
 }
 
 /// A request that cannot succeed on a root that does not exist yet creates
-/// nothing there (a base that cannot be there, a command that cannot
-/// start); a valid first write still makes the store.
+/// nothing there (a base that cannot be there, said as the root missing; a
+/// command that cannot start); a valid first write still makes the store.
 #[test]
 fn an_exec_that_cannot_succeed_on_a_new_root_creates_nothing() {
     let env = Env::new();
@@ -1228,6 +1228,12 @@ fn an_exec_that_cannot_succeed_on_a_new_root_creates_nothing() {
         let out = env.run(args);
         assert_eq!(code(&out), Some(exit), "{args:?}: {}", show(&out));
         assert!(!env.root.exists(), "{args:?} made {:?}", tree(&env.root));
+        // A base that cannot be there is said as a read alone says it: the root is missing (it
+        // was "image 'nosuch' does not exist", sending the user to pull a base they have).
+        if exit == 66 {
+            let root = format!("root {} does not exist", env.root.display());
+            assert!(stderr(&out).contains(&root), "{args:?}: {}", show(&out));
+        }
     }
     env.ok(["exec", "--write", "a", "--", "true"]);
     assert_eq!(env.state("a").as_deref(), Some("ready"));

@@ -208,14 +208,19 @@ fn why_of_an_image_nobody_waits_for_says_so() {
 }
 
 /// A pid no process has is said to be none (66, as an image that does not exist), not a process
-/// that "waits for no lock"; 0 and negative numbers are never a pid (64).
+/// that "waits for no lock"; 0 and negative numbers are never a pid (64). A root that does not
+/// exist is said first, whatever pid is asked (it was "no process has pid N").
 #[test]
 fn why_of_a_pid_no_process_has_says_there_is_none() {
     let env = Env::new();
-    env.ok(["init"]);
     // Pids are below pid_max: this one no process can have.
     let max = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap();
     let none = max.trim();
+    let out = env.run(["lock-status", "--why", none]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let missing = format!("root {} does not exist", env.root.display());
+    assert!(stderr(&out).contains(&missing), "{}", show(&out));
+    env.ok(["init"]);
     for args in [&["--why", none][..], &["--why", none, "--json"]] {
         let out = env.run([&["lock-status"][..], args].concat());
         assert_eq!(code(&out), Some(66), "{}", show(&out));
