@@ -110,12 +110,22 @@ fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<S
     not_this_stores(root, Some(config), dir, claim, now)
 }
 
-/// `opened`, the images directory at `dir` opened to make or remove trees in, refused unless it is
-/// this store's, judged on that very descriptor (a path checked, then opened again, may lead
-/// elsewhere by then). A claim that cannot be read there refuses it: the descriptor is what the
-/// trees are then made or removed through.
+/// `opened`, the images directory at `dir` opened to make, copy or remove trees in, refused unless
+/// it is this store's and the one recorded ([`refused_for_new`]: the default one too, where
+/// another directory may be mounted, or none), judged on that very descriptor (a path checked,
+/// then opened again, may lead elsewhere by then). A claim that cannot be read there refuses it:
+/// the descriptor is what the trees are then made or removed through.
 pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
+    let config = config(root)?;
+    confirmed_as(root, &config, dir, opened)
+}
+
+/// [`confirmed`] by the store's configuration `config`, already read.
+pub fn confirmed_as(root: &Root, config: &Config, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
     let images = opened?;
+    if let Some(why) = refused_for_new(root, config, &images, dir) {
+        anyhow::bail!("{why}");
+    }
     if dir == root.default_images_dir() {
         return Ok(images);
     }
@@ -126,7 +136,7 @@ pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
         let shown = dir.display();
         anyhow::bail!("cannot read which store images directory {shown} serves: {e}");
     }
-    match not_this_stores(root, None, dir, claim, || images.identity().ok()) {
+    match not_this_stores(root, Some(config), dir, claim, || images.identity().ok()) {
         Some(why) => anyhow::bail!("{why}"),
         None => Ok(images),
     }
@@ -553,11 +563,7 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
 /// [`unmounted`] of `images`, the images directory opened as `dir`: the one a command's tree was
 /// found or made in, held since, whatever its path leads to now (the root moved meanwhile).
 pub fn unmounted_at(root: &Root, images: &Dir, dir: &Path) -> Option<String> {
-    let config = config(root).ok()?;
-    if config.images == ImagesDir::Default && moved(root, &config) {
-        return None;
-    }
-    not_the_recorded(&config, images, dir)
+    refused_for_new(root, &config(root).ok()?, images, dir)
 }
 
 /// Why a new image's tree may not be made in `images`, opened as `dir`: an images directory that

@@ -147,24 +147,13 @@ fn drop_record_only(root: &Root, held: Held, state: State, theirs: PathBuf) -> R
 }
 
 /// The images directory `record` names, opened and confirmed, and the path of `name`'s tree in it;
-/// refused where unmounted and the tree missing (not gone: its record must stay).
+/// refused where it is not the one recorded (unmounted, another mounted there): no tree is gone.
 fn images_dir_of(root: &Root, name: &ImageName, record: &Record) -> Result<(Dir, PathBuf)> {
     let images_dir = crate::images_dir::of_record(root, record)?;
     let opened = root.open_images_dir(&images_dir);
-    let images = crate::images_dir::confirmed(root, &images_dir, opened).with_context(|| {
-        format!(
-            "cannot remove image '{name}': images directory {} is not usable (is it mounted?)",
-            images_dir.display()
-        )
-    })?;
+    let images = crate::images_dir::confirmed(root, &images_dir, opened)
+        .with_context(|| format!("cannot remove image '{name}'"))?;
     let tree = images_dir.join(name.encoded());
-    let there = images.stat_at(name.encoded());
-    let there = there.with_context(|| format!("cannot look at {}", tree.display()))?;
-    if there.is_none()
-        && let Some(why) = crate::images_dir::unmounted_at(root, &images, &images_dir)
-    {
-        anyhow::bail!("cannot remove image '{name}': {why}");
-    }
     Ok((images, tree))
 }
 
@@ -213,9 +202,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let images_dir = crate::images_dir::of_record(root, record)?;
     let trash = root.open_trash()?;
     let opened = root.open_images_dir(&images_dir);
-    let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
-        .filter(|d| crate::images_dir::unmounted_at(root, d, &images_dir).is_none());
-    let Some(images) = usable else {
+    let Ok(images) = crate::images_dir::confirmed(root, &images_dir, opened) else {
         let (name, shown) = (&held.name, images_dir.display());
         anyhow::bail!(
             "cannot finish the removal of image '{name}': images directory {shown} is not usable (is it mounted?)"

@@ -457,13 +457,13 @@ impl Root {
     }
 
     /// [`Root::open_or_make_images_dir`] as an anchor (`Dir::anchor`), for a new image's `mkdirat`.
-    pub fn anchor_images_dir(&self, dir: &Path) -> Result<Dir> {
+    pub fn anchor_images_dir(&self, dir: &Path, make: bool) -> Result<Dir> {
         if dir != self.default_images_dir() {
             return Dir::anchor_nofollow(dir).map_err(|e| not_a_dir(dir, e));
         }
         let root = self.opened()?;
         match root.anchor_sub("img") {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && make => {
                 self.open_or_make_sub("img")?;
                 root.anchor_sub("img")
             }
@@ -472,9 +472,11 @@ impl Root {
         .map_err(|e| not_a_dir(dir, e))
     }
 
-    /// [`Root::open_images_dir`], making the default one if missing (not a configured one).
-    pub fn open_or_make_images_dir(&self, dir: &Path) -> Result<Dir> {
-        if dir == self.default_images_dir() {
+    /// [`Root::open_images_dir`], making the default one if missing (not a configured one) and
+    /// `make`: only while none is recorded. One made where another was recorded would stand in its
+    /// place, and be in the way of putting it back.
+    pub fn open_or_make_images_dir(&self, dir: &Path, make: bool) -> Result<Dir> {
+        if make && dir == self.default_images_dir() {
             self.open_or_make_sub("img")
         } else {
             self.open_images_dir(dir)
@@ -622,6 +624,9 @@ impl Root {
         // Checked again on what was made or found (`open`): another may have made it meanwhile.
         let root = self.open()?;
         for rel in ["locks", "locks/images", "locks/slots", "img", "trash"] {
+            if rel == "img" && root.stat_at(rel)?.is_none() && self.images_dir_recorded(&root) {
+                continue;
+            }
             self.make_layout_dir(&root, rel)?;
             if rel == "locks" {
                 crate::debug::pause("layout-locks-made");
@@ -649,6 +654,16 @@ impl Root {
         }
         crate::space::refill(&self.reserve());
         Ok(())
+    }
+
+    /// Whether the store's configuration records the default images directory's identity: one
+    /// missing then is unmounted or moved away, and one made in its place would stand for it (and
+    /// be in the way of putting it back). Asked only where `img` is missing.
+    fn images_dir_recorded(&self, root: &Dir) -> bool {
+        let config = crate::config::read(&self.dir, root).ok().flatten();
+        config.is_some_and(|c| {
+            c.images == crate::image_record::ImagesDir::Default && c.identity.is_some()
+        })
     }
 
     /// Makes layout directory `rel` by `mkdirat` in its parent, opened from the root's descriptor
@@ -848,7 +863,7 @@ impl Root {
                 Ok(m) if m.is_dir() => continue,
                 Ok(m) => format!("{}, not a directory", planted::kind_name(m.mode())),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    if locks_ok {
+                    if locks_ok && (name != "img" || !self.images_dir_recorded(&root)) {
                         self.make_layout_dir(&root, name)?;
                     }
                     continue;

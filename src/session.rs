@@ -802,10 +802,13 @@ fn start_new(
     let dir = crate::images_dir::checked(root, &config)?;
     let name = img.held.name.clone();
     crate::debug::pause("images-dir-checked");
-    let images = crate::images_dir::confirmed(root, &dir, root.anchor_images_dir(&dir))?;
-    if let Some(why) = crate::images_dir::refused_for_new(root, &config, &images, &dir) {
-        anyhow::bail!("cannot create image '{name}': {why}");
-    }
+    let images = crate::images_dir::confirmed_as(
+        root,
+        &config,
+        &dir,
+        root.anchor_images_dir(&dir, config.identity.is_none()),
+    )
+    .with_context(|| format!("cannot create image '{name}'"))?;
     let mut r = Record::new(name.as_str(), config.images.clone(), now);
     (r.base, r.writer) = (base, lease);
     write_record(store, &mut img.held, &r)?;
@@ -845,11 +848,9 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>,
         Ok(Some(e)) if e.is_symlink() => "a symlink",
         Ok(Some(e)) if !e.is_dir() => "not a directory",
         Ok(None) => {
-            if let Some(why) = crate::images_dir::unmounted_at(root, &images, &dir) {
-                return Err(cannot(why));
-            }
             crate::images_dir::of_record(root, r)?;
-            let images = crate::images_dir::confirmed(root, &dir, Ok(images))?;
+            let confirmed = crate::images_dir::confirmed(root, &dir, Ok(images));
+            let images = confirmed.map_err(|e| cannot(format!("{e:#}")))?;
             let made = make_tree(&images, &dir, &held.name)?;
             return Ok((made, Some(dir), Some(images)));
         }

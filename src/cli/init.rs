@@ -74,7 +74,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         switch(store, &mut config, dir)?;
     }
     let dir = config.images.path_in(root.dir());
-    let images = root.open_or_make_images_dir(&dir)?;
+    let images =
+        root.open_or_make_images_dir(&dir, config.identity.is_none() || wanted.is_some())?;
     // Another directory at the recorded path (another disk; the path seen from a container or from
     // another host) is made the store's, for every view, only if named: never by a plain init.
     if wanted.is_none()

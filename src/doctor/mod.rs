@@ -813,7 +813,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         report.add("images", Problem, detail);
         return Ok(());
     }
-    let images = crate::images_dir::confirmed(&root, &dir, root.open_or_make_images_dir(&dir))?;
+    // Made only by a repair, and only where no images directory is recorded yet.
+    let unrecorded = repair && config.identity.is_none();
+    let images =
+        crate::images_dir::confirmed(&root, &dir, root.open_or_make_images_dir(&dir, unrecorded))?;
     claim(&root, &config, &images, repair, report);
     if dir != root.default_images_dir() {
         outside_images_dir(&root, (&images, &dir), repair, report);

@@ -864,3 +864,56 @@ fn a_record_naming_another_images_directory_is_dropped_by_rm_alone() {
     assert_eq!(env.state("keep").as_deref(), Some("ready"));
     env.ok(["doctor"]);
 }
+
+/// Another directory mounted on the default images directory's place (or
+/// the store's own unmounted, or another store's images bind-mounted there)
+/// holds no tree of this store: rm, gc (also when the mount comes while it
+/// runs) and a rebuild `--from` delete nothing there and drop no record.
+/// Before, each checked only an external images directory: rm and gc
+/// deleted the other directory's same-named trees and dropped the records,
+/// leaving the real trees without them.
+#[test]
+fn nothing_is_deleted_from_a_directory_mounted_on_the_images_directory() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let env = Env::new();
+    for name in ["app", "base", "old"] {
+        env.make_image(name);
+    }
+    let outside = env.tmp.path().join("outside");
+    for name in ["app", "base", "old"] {
+        fs::create_dir_all(outside.join(name)).unwrap();
+        fs::write(outside.join(name).join("precious"), name).unwrap();
+    }
+    let img = env.root.join("img");
+    let bind = ["--bind", outside.to_str().unwrap()];
+    let Some(mount) = Mount::at(&bind, &img) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let runs = [
+        env.run(["rm", "app"]),
+        env.run(["gc", "--max-size", "0"]),
+        env.run(["exec", "--write", "app", "--from", "base", "--", "true"]),
+    ];
+    drop(mount);
+    for out in &runs {
+        assert_ne!(code(out), Some(0), "{}", show(out));
+        let said = format!("{}{}", stdout(out), stderr(out));
+        assert!(said.contains("not the directory recorded"), "{}", show(out));
+    }
+    // The mount made while gc runs, after it listed the images.
+    let (gc, go) = env.paused(["gc", "--max-size", "0"], "gc-listed");
+    let mount = Mount::at(&bind, &img).unwrap();
+    fs::remove_file(&go).unwrap();
+    let out = gc.finish();
+    drop(mount);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    for name in ["app", "base", "old"] {
+        let kept = fs::read_to_string(outside.join(name).join("precious"));
+        assert_eq!(kept.ok().as_deref(), Some(name));
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name}");
+        assert!(img.join(name).is_dir(), "{name}");
+    }
+}

@@ -1017,3 +1017,33 @@ fn a_size_seen_through_another_directory_at_the_images_path_is_not_kept() {
         show(&out)
     );
 }
+
+/// An images directory moved away (or unmounted, its mount point gone) is
+/// not made anew by any command: plain doctor, doctor --repair, a new
+/// image's write, init, rm and gc each refuse, and putting the directory
+/// back finds the store as it was. Before, each made an empty `img` first,
+/// which then stood in the way of the real one (`mv` put it inside).
+#[test]
+fn a_missing_images_directory_is_not_made_anew() {
+    let env = Env::new();
+    env.make_image("app");
+    let (img, away) = (env.root.join("img"), env.root.join("img.away"));
+    fs::rename(&img, &away).unwrap();
+    for args in [
+        &["doctor"][..],
+        &["doctor", "--repair"],
+        &["exec", "--write", "new", "--", "true"],
+        &["init"],
+        &["rm", "app"],
+        &["gc", "--max-size", "0"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(!img.exists(), "{args:?} made {}", img.display());
+    }
+    fs::rename(&away, &img).unwrap();
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(env.image("new").is_none());
+    env.ok(["exec", "--write", "new", "--", "true"]);
+    env.ok(["rm", "app"]);
+}
