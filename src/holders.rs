@@ -736,23 +736,27 @@ impl<'c> Look<'c> {
         // One below a stowage holder shares its descriptor: that exec's command, or its child.
         // Alive after its ancestors were read, it had them (a command's short-lived child may
         // have exited meanwhile, its ancestors unread: a holder no more).
-        let running =
-            |p: &u32| ident::stat_fields(p).is_some_and(|f| !f.trim_start().starts_with('Z'));
         // So one below another that kept it: the command named, not each of its children.
         let kept = (others.iter().copied())
             .filter(|&p| !ancestors(p).any(|a| stowage.contains(&a) || others.contains(&a)))
-            .filter(running);
-        let party = |pid| Party {
-            kept: started_by_an_ended_exec(&self.leases_dir, pid),
-            ..Party::outsider(
-                self.ctx,
-                &Entry {
-                    pid: Some(pid),
-                    ..*e
-                },
-            )
+            .filter(|&p| !exiting(p));
+        // Read while it exits (its memory gone before its descriptors: a host's crash), a process
+        // shows no environment, so no lease: a holder no more, not one outside stowage.
+        let party = |pid| {
+            let kept = started_by_an_ended_exec(&self.leases_dir, pid);
+            let party = Party {
+                kept,
+                ..Party::outsider(
+                    self.ctx,
+                    &Entry {
+                        pid: Some(pid),
+                        ..*e
+                    },
+                )
+            };
+            (kept || !exiting(pid)).then_some(party)
         };
-        kept.map(party).collect()
+        kept.filter_map(party).collect()
     }
 
     /// Leases made since the look read them, read once when first asked.
@@ -940,6 +944,18 @@ fn started_by_an_ended_exec(leases: &Path, pid: u32) -> bool {
         && !names
             .iter()
             .any(|n| crate::lease::alive(leases, n).unwrap_or(true))
+}
+
+/// Whether local process `pid` is gone, a zombie, or exiting (`PF_EXITING` in its flags): its
+/// memory, and so its environment and command line, may be gone while its descriptors still hold.
+fn exiting(pid: u32) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Some(fields) = ident::stat_fields(pid) else {
+        return true;
+    };
+    // From the state on: state, ppid, pgrp, session, tty, tpgid, flags.
+    let flags = fields.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok());
+    fields.trim_start().starts_with('Z') || flags.is_some_and(|f| f & PF_EXITING != 0)
 }
 
 /// The processes above local process `pid`: its parent, its parent's, … (to pid 1, at most 64).
