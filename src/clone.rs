@@ -584,6 +584,7 @@ impl TreeCopy<'_> {
 
     /// Owner, mode, times and attributes of the entry `name` (not followed), from source to copy.
     fn attrs_at(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
+        crate::debug::pause("clone-made");
         self.attrs(
             Target::At(&top.dst, name),
             Target::At(&top.src, name),
