@@ -428,7 +428,7 @@ impl TreeCopy<'_> {
             let at = (&top.src, name.as_c_str(), &self.trail.0[..]);
             let (fd, lent) = open_source(at, &meta, flags, self.loans)?;
             let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
-            made_here(&d, &top.dst, libc::S_IFDIR)?;
+            made_here(&d, libc::S_IFDIR)?;
             // A filesystem mounted inside the base is not its tree: the mount point is copied,
             // empty. A bind mount of the base's own filesystem shows only in its mount id.
             let mount =
@@ -602,7 +602,7 @@ impl TreeCopy<'_> {
                 return Err(io::Error::other("changed while being copied"));
             }
             let made = top.dst.open_at(name, flags, 0)?;
-            made_here(&made, &top.dst, kind)?;
+            made_here(&made, kind)?;
             Ok((src, made))
         })();
         let (src, made) = opened.with_context(|| self.cannot_copy(name))?;
@@ -892,13 +892,13 @@ fn give_back_search(nearest: Dir, way: &[((u64, u64), Option<libc::mode_t>)]) ->
     Ok(())
 }
 
-/// Refuses what stands at a name the copy has just made (`made`, in `parent`) unless it is that new
-/// entry: of the kind made (`kind`), ours, on the copy's filesystem, and (not a directory) of no
-/// other name. Whoever could write in the copy might have swapped it for a link to a file
-/// elsewhere, or a hard link of one, which would then get the copy's owner, mode and times.
-fn made_here(made: &impl AsFd, parent: &Dir, kind: libc::mode_t) -> io::Result<()> {
-    let (st, at) = (dir::fstat(made)?, dir::fstat(parent)?);
-    let ours = st.st_uid == nix::unistd::geteuid().as_raw() && st.st_dev == at.st_dev;
+/// Refuses what stands at a name the copy has just made unless it is that new entry: of the kind
+/// made (`kind`), ours, and (not a directory) of no other name. Whoever could write in the copy
+/// might have swapped it for a link to a file elsewhere, or a hard link of one, which would then get
+/// the copy's owner, mode and times; or for a directory of theirs, to fill with names of theirs.
+fn made_here(made: &impl AsFd, kind: libc::mode_t) -> io::Result<()> {
+    let st = dir::fstat(made)?;
+    let ours = st.st_uid == nix::unistd::geteuid().as_raw();
     if dir::file_type(&st) != kind || !ours || (kind != libc::S_IFDIR && st.st_nlink != 1) {
         return Err(io::Error::other(
             "replaced while being copied (not the entry the copy made): left as it is",
