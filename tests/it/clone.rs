@@ -1432,10 +1432,10 @@ fn watched(p: &Path) -> (u32, u32, u32, i64, i64, String) {
     (m.uid(), m.gid(), m.mode(), m.mtime(), m.atime(), xattrs)
 }
 
-/// While a copy sets the attributes of a FIFO or symlink it has just made
-/// (paused between), the name is swapped for a link to a file outside the
-/// store: a symlink (for the FIFO) or a hard link (for the symlink), as a
-/// member who could write in the copy would. Whether root or the base's
+/// While a copy sets the attributes of a FIFO, device node or symlink it has
+/// just made (paused between), the name is swapped for a link to a file
+/// outside the store: a symlink (for the FIFO or device) or a hard link (for
+/// the symlink), as a member who could write in the copy would. Whether root or the base's
 /// unprivileged owner copies, the copy fails with one line naming the
 /// entry, and the file outside keeps its owner, mode, times and attributes.
 #[test]
@@ -1444,6 +1444,7 @@ fn an_entry_swapped_mid_copy_leaves_a_file_outside_as_it_was() {
         return;
     }
     for (kind, root_copies) in [
+        ("device", true),
         ("fifo", true),
         ("link", true),
         ("fifo", false),
@@ -1460,6 +1461,7 @@ fn an_entry_swapped_mid_copy_leaves_a_file_outside_as_it_was() {
         };
         let make = match kind {
             "fifo" => "mkfifo e; chmod 4777 e",
+            "device" => "mknod e c 1 3; chmod 4777 e",
             _ => "ln -s nowhere e",
         };
         // A trusted.* attribute only root may set, and copy.
@@ -1495,7 +1497,7 @@ fn an_entry_swapped_mid_copy_leaves_a_file_outside_as_it_was() {
         let entry = env.images_dir().join("cp/e");
         fs::remove_file(&entry).unwrap();
         match kind {
-            "fifo" => std::os::unix::fs::symlink(&victim, &entry).unwrap(),
+            "fifo" | "device" => std::os::unix::fs::symlink(&victim, &entry).unwrap(),
             _ => fs::hard_link(&victim, &entry).unwrap(),
         }
         fs::remove_file(&pause).unwrap();
