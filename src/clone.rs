@@ -14,6 +14,9 @@
 //! - A large file is copied in chunks, a termination signal looked for between them.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
 //!   image's empty directory, mode 700 (setgid kept) until done. No inode is shared with the base.
+//!   Attributes are set through a descriptor of what was made, never by name: a directory or
+//!   entry that takes no open (link, FIFO, socket, device) is opened `O_PATH|O_NOFOLLOW` and
+//!   checked to be the new entry ([`made_here`]); one swapped for another fails the copy.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
 //!   rewrites the group bits), times. Owner refused: the group alone, where it is the caller's.
 
@@ -28,9 +31,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use nix::errno::Errno;
+use nix::fcntl::AT_FDCWD;
 use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::stat::{FchmodatFlags, Mode, SFlag, UtimensatFlags};
-use nix::sys::stat::{fchmod, fchmodat, futimens, utimensat};
+use nix::sys::stat::{Mode, SFlag, UtimensatFlags};
+use nix::sys::stat::{fchmod, futimens, utimensat};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
@@ -301,9 +305,10 @@ fn worktree_link(top: &Dir) -> bool {
     }
 }
 
-/// Makes the copy's top ours alone while the copy is made; returns the mode it had. Attributes are
-/// set by name, so a group store's member could otherwise swap in a link between create and chmod:
-/// it must be ours and empty (a name made before may be held open by its maker). Its setgid stays:
+/// Makes the copy's top ours alone while the copy is made; returns the mode it had. A group store's
+/// member could otherwise rename names in it, or swap in a link (attributes go through a checked
+/// descriptor of what was made, [`made_here`], but hard links are made by name): it must be ours
+/// and empty (a name made before may be held open by its maker). Its setgid stays:
 /// in a group store what is made below gets the store's group, not the copier's primary group.
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let dst = dst.display();
@@ -423,6 +428,7 @@ impl TreeCopy<'_> {
             let at = (&top.src, name.as_c_str(), &self.trail.0[..]);
             let (fd, lent) = open_source(at, &meta, flags, self.loans)?;
             let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
+            made_here(&d, libc::S_IFDIR)?;
             // A filesystem mounted inside the base is not its tree: the mount point is copied,
             // empty. A bind mount of the base's own filesystem shows only in its mount id.
             let mount =
@@ -582,14 +588,26 @@ impl TreeCopy<'_> {
         self.attrs_at(top, name, meta)
     }
 
-    /// Owner, mode, times and attributes of the entry `name` (not followed), from source to copy.
+    /// Owner, mode, times and attributes of the entry `name` just made (a symlink, FIFO, socket or
+    /// device node), from source to copy, each through an `O_PATH` descriptor of the very inode
+    /// ([`made_here`]): set by name, they would follow whatever stands at the name by then.
     fn attrs_at(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        self.attrs(
-            Target::At(&top.dst, name),
-            Target::At(&top.src, name),
-            Some(name),
-            meta,
-        )
+        crate::debug::pause("clone-made");
+        let opened = (|| {
+            let flags = libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+            let src = top.src.open_at(name, flags, 0)?;
+            let now = dir::fstat(&src)?;
+            let kind = dir::file_type(meta);
+            if (now.st_dev, now.st_ino, dir::file_type(&now)) != (meta.st_dev, meta.st_ino, kind) {
+                return Err(io::Error::other("changed while being copied"));
+            }
+            let made = top.dst.open_at(name, flags, 0)?;
+            made_here(&made, kind)?;
+            Ok((src, made))
+        })();
+        let (src, made) = opened.with_context(|| self.cannot_copy(name))?;
+        let (dst, src) = (Target::Path(made.as_fd()), Target::Path(src.as_fd()));
+        self.attrs(dst, src, Some(name), meta)
     }
 
     /// [`TreeCopy::attrs`] from an open source to its open copy. A source `lent` to us shows the
@@ -874,10 +892,33 @@ fn give_back_search(nearest: Dir, way: &[((u64, u64), Option<libc::mode_t>)]) ->
     Ok(())
 }
 
-/// Where attributes are read or set: an open file, or a name in a directory (not opened).
+/// Refuses what stands at a name the copy has just made unless it is that new entry: of the kind
+/// made (`kind`), ours, and (not a directory) of no other name. Whoever could write in the copy
+/// might have swapped it for a link to a file elsewhere, or a hard link of one, which would then get
+/// the copy's owner, mode and times; or for a directory of theirs, to fill with names of theirs.
+fn made_here(made: &impl AsFd, kind: libc::mode_t) -> io::Result<()> {
+    let st = dir::fstat(made)?;
+    let ours = st.st_uid == nix::unistd::geteuid().as_raw();
+    if dir::file_type(&st) != kind || !ours || (kind != libc::S_IFDIR && st.st_nlink != 1) {
+        return Err(io::Error::other(
+            "replaced while being copied (not the entry the copy made): left as it is",
+        ));
+    }
+    Ok(())
+}
+
+/// Where attributes are read or set: an open file, or an `O_PATH` descriptor of an inode that
+/// takes no open (a symlink, FIFO, socket or device node), reached through its `/proc/self/fd`
+/// link: the calls that take a path get that inode itself, a symlink too, and go no further.
 enum Target<'a> {
     Fd(BorrowedFd<'a>),
-    At(&'a Dir, &'a CStr),
+    Path(BorrowedFd<'a>),
+}
+
+/// `/proc/self/fd/N` of the `O_PATH` descriptor `fd` of a [`Target::Path`].
+fn proc_of(fd: BorrowedFd) -> CString {
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    CString::new(path).expect("no NUL in a number")
 }
 
 /// Owner (where permitted), mode, extended attributes and times, in order; symlinks not followed.
@@ -891,7 +932,8 @@ fn set_attrs(
     let (uid, gid) = (Uid::from_raw(meta.st_uid), Gid::from_raw(meta.st_gid));
     let chown = |uid| match &dst {
         Target::Fd(fd) => fchown(fd, uid, Some(gid)),
-        Target::At(d, n) => fchownat(d, *n, uid, Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW),
+        // An O_PATH descriptor takes no fchown: the same, by its empty name.
+        Target::Path(fd) => fchownat(fd, c"", uid, Some(gid), AtFlags::AT_EMPTY_PATH),
     };
     // An unprivileged user cannot give files away, but may give them a group of theirs: a group
     // store's base keeps its group, which its other members need to write and remove the copy.
@@ -905,36 +947,35 @@ fn set_attrs(
     }
     if dir::file_type(meta) != libc::S_IFLNK {
         // After chown, which clears setuid/setgid bits.
-        let mode = Mode::from_bits_retain(meta.st_mode & 0o7777);
+        let mode = meta.st_mode & 0o7777;
         match &dst {
-            Target::Fd(fd) => fchmod(fd, mode)?,
-            // A FIFO, socket or device node we just created, not a symlink.
-            Target::At(d, n) => fchmodat(d, *n, mode, FchmodatFlags::FollowSymlink)?,
+            Target::Fd(fd) => fchmod(fd, Mode::from_bits_retain(mode))?,
+            Target::Path(fd) => dir::chmod_o_path(fd.as_raw_fd(), mode)?,
         }
     }
     copy_xattrs(&src, &dst, out, at);
     let atime = TimeSpec::new(meta.st_atime, meta.st_atime_nsec);
     let mtime = TimeSpec::new(meta.st_mtime, meta.st_mtime_nsec);
+    let follow = UtimensatFlags::FollowSymlink;
     Ok(match &dst {
         Target::Fd(fd) => futimens(fd, &atime, &mtime),
-        Target::At(d, n) => utimensat(d, *n, &atime, &mtime, UtimensatFlags::NoFollowSymlink),
+        Target::Path(fd) => utimensat(AT_FDCWD, proc_of(*fd).as_c_str(), &atime, &mtime, follow),
     }?)
 }
 
 /// The value of attribute `key` or, without a key, the list of names.
 fn xattr(t: &Target, key: Option<&CStr>) -> io::Result<Vec<u8>> {
-    // An entry is named by a /proc path, for the `l*` calls (the descriptor is then unused).
     let (fd, path) = match t {
         Target::Fd(fd) => (fd.as_raw_fd(), None),
-        Target::At(d, name) => (-1, Some(d.proc_path(name))),
+        Target::Path(at) => (-1, Some(proc_of(*at))),
     };
     // SAFETY: each call gets a buffer of the length it is told, and valid C strings.
     xattr_read(256, |p, n| unsafe {
         match (&path, key) {
             (None, None) => libc::flistxattr(fd, p.cast(), n),
             (None, Some(k)) => libc::fgetxattr(fd, k.as_ptr(), p, n),
-            (Some(at), None) => libc::llistxattr(at.as_ptr(), p.cast(), n),
-            (Some(at), Some(k)) => libc::lgetxattr(at.as_ptr(), k.as_ptr(), p, n),
+            (Some(at), None) => libc::listxattr(at.as_ptr(), p.cast(), n),
+            (Some(at), Some(k)) => libc::getxattr(at.as_ptr(), k.as_ptr(), p, n),
         }
     })
 }
@@ -944,9 +985,9 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
     // SAFETY: valid C strings; the value pointer and length describe `value`.
     let r = match t {
         Target::Fd(fd) => unsafe { libc::fsetxattr(fd.as_raw_fd(), key.as_ptr(), v, n, 0) },
-        Target::At(d, name) => {
-            let path = d.proc_path(name);
-            unsafe { libc::lsetxattr(path.as_ptr(), key.as_ptr(), v, n, 0) }
+        Target::Path(fd) => {
+            let at = proc_of(*fd);
+            unsafe { libc::setxattr(at.as_ptr(), key.as_ptr(), v, n, 0) }
         }
     };
     cvt(r).map(drop)
@@ -956,9 +997,9 @@ fn remove_xattr(t: &Target, key: &CStr) -> io::Result<()> {
     // SAFETY: valid C strings.
     let r = match t {
         Target::Fd(fd) => unsafe { libc::fremovexattr(fd.as_raw_fd(), key.as_ptr()) },
-        Target::At(d, name) => {
-            let path = d.proc_path(name);
-            unsafe { libc::lremovexattr(path.as_ptr(), key.as_ptr()) }
+        Target::Path(fd) => {
+            let at = proc_of(*fd);
+            unsafe { libc::removexattr(at.as_ptr(), key.as_ptr()) }
         }
     };
     cvt(r).map(drop)

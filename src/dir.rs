@@ -182,14 +182,6 @@ impl Dir {
         Ok(stat::fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW)?)
     }
 
-    /// A short /proc path naming `name` in this directory, for calls with no descriptor form
-    /// (`l*xattr` on a symlink or device node): `l*` calls do not follow its last component.
-    pub fn proc_path(&self, name: &CStr) -> CString {
-        let mut p = format!("/proc/self/fd/{}/", self.as_raw_fd()).into_bytes();
-        p.extend_from_slice(name.to_bytes());
-        CString::new(p).expect("no NUL in a directory entry")
-    }
-
     /// The id of the mount this directory is on, where the kernel says (Linux 5.8+; else `None`).
     /// Unlike the device number it tells a bind mount of the same filesystem apart. A failed look
     /// is an error, never "another mount": a walk would leave a whole subtree out.

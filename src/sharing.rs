@@ -10,6 +10,9 @@
 //! - **Only what is ours is fixed** ([`repair`]), each on a descriptor opened without following a
 //!   link: a link planted in a part's place changes nothing outside the store. [`check`] lists and
 //!   reads the parts so too: it names nothing outside the store.
+//! - **An image being written is its writer's**: a copy keeps its top private (700) until done, so
+//!   no member can swap a name in it. [`check`] passes over an image whose lock is held
+//!   exclusively; [`repair`] changes an image's directory only under its lock, taken shared.
 
 use std::fs;
 use std::io;
@@ -132,10 +135,47 @@ fn fd_path(fd: BorrowedFd) -> std::path::PathBuf {
     format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)).into()
 }
 
-/// The parts of a group store (group `gid`) that its members cannot use.
+/// The image whose directory the part `rel` is, if it is one.
+fn image_of_part(rel: &str) -> Option<crate::name::ImageName> {
+    crate::name::ImageName::from_encoded(rel.strip_prefix("img/")?).ok()
+}
+
+/// Whether the part `rel` is the directory of an image a writer holds: its tree is the writer's
+/// meanwhile (a copy keeps its top private until done), neither to report nor to repair.
+fn being_written(root: &Root, rel: &str) -> bool {
+    image_of_part(rel).is_some_and(|name| {
+        let look = crate::lock::look(&root.image_lock(&name), root.lock_queries());
+        look.is_ok_and(|p| p == crate::lock::Probe::Exclusive)
+    })
+}
+
+/// For the part `rel` that is an image's directory, its lock taken shared without waiting, to hold
+/// while the directory is changed: no writer can begin meanwhile. `WouldBlock`: a writer holds it.
+fn keep_writers_out(root: &Root, rel: &str) -> io::Result<Option<crate::lock::Guard>> {
+    let Some(name) = image_of_part(rel) else {
+        return Ok(None);
+    };
+    let (shared, fail) = (crate::lock::Mode::Shared, crate::lock::IfMissing::Fail);
+    match crate::lock::acquire_no_wait(&root.image_lock(&name), shared, fail) {
+        Ok(Some(held)) => Ok(Some(held)),
+        Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+        // No lock file, or something planted in its place: a writer takes none.
+        Err(e) if e.kind() == io::ErrorKind::NotFound || crate::planted::find(&e).is_some() => {
+            Ok(None)
+        }
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!("cannot lock its image: {e}"),
+        )),
+    }
+}
+
+/// The parts of a group store (group `gid`) that its members cannot use; an image being written is
+/// passed over.
 pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
     parts(root)
         .into_iter()
+        .filter(|(rel, _)| !being_written(root, rel))
         .filter_map(|(rel, dir)| {
             // Missing, or not of its kind (a link): no part.
             let part = open_part(root, &rel, libc::O_PATH)?;
@@ -183,7 +223,8 @@ pub struct Repaired {
     pub failed: Vec<(Wrong, String)>,
 }
 
-/// Gives each wrong part the group `gid` and the bits a group store needs, where ours to change.
+/// Gives each wrong part the group `gid` and the bits a group store needs, where ours to change;
+/// an image's directory under its lock, held shared, and left alone while a writer holds it.
 pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     let euid = nix::unistd::geteuid().as_raw();
     let root_mount = crate::dir::Dir::open_nofollow(root.dir()).and_then(|d| d.mount_id());
@@ -204,6 +245,15 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
             done.not_ours.push(w);
             continue;
         }
+        let _kept_out = match keep_writers_out(root, &w.rel) {
+            Ok(held) => held,
+            // Begun since the check: the writer's (the next repair looks again).
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                done.failed.push((w, e.to_string()));
+                continue;
+            }
+        };
         let flags = libc::O_RDONLY | if w.dir { libc::O_DIRECTORY } else { 0 };
         let path = root.dir().join(&w.rel);
         let opened = match crate::planted::open(&path, flags, 0) {

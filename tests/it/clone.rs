@@ -1422,3 +1422,96 @@ fn a_forged_lend_file_changes_nothing_outside_what_a_loan_lent() {
     env.ok(["exec", "--write", "base", "--", "true"]);
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+/// What a test watches of a file: owner, group, mode, times and extended
+/// attributes (every namespace this process may read).
+fn watched(p: &Path) -> (u32, u32, u32, i64, i64, String) {
+    let m = fs::metadata(p).unwrap();
+    let xattrs = sh(&format!("getfattr -d -m - '{}' 2>&1", p.display())).stdout;
+    let xattrs = String::from_utf8_lossy(&xattrs).into_owned();
+    (m.uid(), m.gid(), m.mode(), m.mtime(), m.atime(), xattrs)
+}
+
+/// While a copy sets the attributes of a FIFO, device node or symlink it has
+/// just made (paused between), the name is swapped for a link to a file
+/// outside the store: a symlink (for the FIFO or device) or a hard link (for
+/// the symlink), as a member who could write in the copy would. Whether root or the base's
+/// unprivileged owner copies, the copy fails with one line naming the
+/// entry, and the file outside keeps its owner, mode, times and attributes.
+#[test]
+fn an_entry_swapped_mid_copy_leaves_a_file_outside_as_it_was() {
+    if !root_or_skip("acting as the member who swaps the entry") || !have("setfattr") {
+        return;
+    }
+    for (kind, root_copies) in [
+        ("device", true),
+        ("fifo", true),
+        ("link", true),
+        ("fifo", false),
+        ("link", false),
+    ] {
+        let case = format!(
+            "{kind}, copied by {}",
+            if root_copies { "root" } else { "uid 65534" }
+        );
+        let env = if root_copies {
+            Env::new()
+        } else {
+            unprivileged_env()
+        };
+        let make = match kind {
+            "fifo" => "mkfifo e; chmod 4777 e",
+            "device" => "mknod e c 1 3; chmod 4777 e",
+            _ => "ln -s nowhere e",
+        };
+        // A trusted.* attribute only root may set, and copy.
+        let trusted = if root_copies {
+            "setfattr -h -n trusted.base -v b e;"
+        } else {
+            ""
+        };
+        let script = format!(
+            "set -e; cd \"$STOWAGE_IMAGE_DIR\"; {make}; {trusted} touch -h -d '2001-02-03 04:05:06' e"
+        );
+        let victim = env.tmp.path().join("victim");
+        fs::write(&victim, "secret").unwrap();
+        fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+        let args = ["exec", "--write", "cp", "--from", "base", "--", "true"];
+        let (bg, pause) = if root_copies {
+            env.build("base", &script);
+            chown(&victim, 4321, 4321);
+            sh(&format!(
+                "setfattr -n trusted.mine -v v '{}'",
+                victim.display()
+            ));
+            env.paused(args, "clone-made")
+        } else {
+            unprivileged_build(&env, "base", &script);
+            chown(&victim, 65534, 65534);
+            let pause = env.tmp.path().join("made-paused");
+            let bg = unprivileged_bg(&env, &args, Some(("clone-made", &pause))).unwrap();
+            wait_for_file(&pause);
+            (bg, pause)
+        };
+        let before = watched(&victim);
+        let entry = env.images_dir().join("cp/e");
+        fs::remove_file(&entry).unwrap();
+        match kind {
+            "fifo" | "device" => std::os::unix::fs::symlink(&victim, &entry).unwrap(),
+            _ => fs::hard_link(&victim, &entry).unwrap(),
+        }
+        fs::remove_file(&pause).unwrap();
+        let out = bg.finish();
+        assert_eq!(watched(&victim), before, "{case}: the file outside changed");
+        assert_eq!(code(&out), Some(1), "{case}: {}", show(&out));
+        let err = stderr(&out);
+        assert_eq!(err.lines().count(), 1, "{case}: {err}");
+        assert!(
+            err.contains("cp/e") && err.contains("replaced"),
+            "{case}: {err}"
+        );
+        if root_copies {
+            assert_eq!(env.state("cp").as_deref(), Some("incomplete"), "{case}");
+        }
+    }
+}

@@ -1725,3 +1725,38 @@ fn an_acl_entry_naming_a_user_outside_the_group_is_kept() {
         "{kept}"
     );
 }
+
+/// While a copy (`--from`) is made in a group store, its top is private
+/// (2700): `doctor` does not report it as a part members cannot use, and
+/// `doctor --repair` (root's, who may change any part) leaves it so: no member
+/// can make or swap a name in the copy. Once the copy is done the top has
+/// the base's mode.
+#[test]
+fn doctor_leaves_the_private_top_of_a_copy_under_way_alone() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    env.build("base", "mkfifo \"$STOWAGE_IMAGE_DIR/z\"");
+    let base_mode = fs::metadata(env.root.join("img/base")).unwrap().mode() & 0o7777;
+    let (bg, pause) = env.paused(
+        ["exec", "--write", "app", "--from", "base", "--", "true"],
+        "clone-made",
+    );
+    let top = env.root.join("img/app");
+    let private = fs::metadata(&top).unwrap().mode() & 0o7777;
+    assert_eq!(private, 0o2700);
+    let out = env.run(["doctor"]);
+    assert!(!stdout(&out).contains("img/app"), "{}", show(&out));
+    let out = env.run(["doctor", "--repair"]);
+    assert!(!stdout(&out).contains("img/app"), "{}", show(&out));
+    assert_eq!(fs::metadata(&top).unwrap().mode() & 0o7777, private);
+    let victim = env.tmp.path().join("victim");
+    fs::write(&victim, "precious").unwrap();
+    let out = member_links(&victim, &top.join("planted"));
+    assert_ne!(code(&out), Some(0), "a member made a name in the copy");
+    fs::remove_file(&pause).unwrap();
+    let out = bg.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(fs::metadata(&top).unwrap().mode() & 0o7777, base_mode);
+}
