@@ -1597,3 +1597,42 @@ fn a_newer_store_is_refused_before_anything_is_taken_or_written() {
     env.release("release");
     assert!(reader.finish().status.success());
 }
+
+/// The store id `store.conf` names.
+fn store_id(env: &Env) -> String {
+    let conf = fs::read_to_string(env.root.join("store.conf")).unwrap();
+    let id = conf.lines().find_map(|l| l.strip_prefix("id="));
+    id.unwrap().to_owned()
+}
+
+/// A migrated store that loses `store.conf` is a store of this release that
+/// lost it, not one to migrate again: commands that need it refuse, naming
+/// the repair, and `doctor --repair` writes it with the store's own id (its
+/// claim on `img` keeps it), never a new one.
+#[test]
+fn a_migrated_store_that_lost_its_configuration_is_repaired_not_migrated_again() {
+    let env = old_store();
+    env.ok(["images"]);
+    let (id, before) = (store_id(&env), states(&env));
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    let conf = env.root.join("store.conf");
+    let out = env.ok(["images"]);
+    assert!(!stderr(&out).contains("migrating"), "{}", show(&out));
+    assert!(!conf.exists(), "images wrote a configuration");
+    for args in [&["exec", "--write", "new", "--", "true"][..], &["gc"]] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("store.conf is missing"), "{args:?}: {err}");
+        assert!(err.contains("'stowage doctor --repair'"), "{args:?}: {err}");
+        assert!(!err.contains("migrating"), "{args:?}: {err}");
+        assert!(!conf.exists(), "{args:?} wrote a configuration");
+    }
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("written anew"), "{}", show(&out));
+    assert_eq!(store_id(&env), id, "the store keeps its id");
+    // The repair finishes the removal the old store left interrupted.
+    let kept: Vec<_> = before.into_iter().filter(|i| i.0 != "doomed").collect();
+    assert_eq!(states(&env), kept, "no image changed");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
