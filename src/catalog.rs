@@ -74,8 +74,9 @@ pub enum Found {
     Legacy(i64),
     /// To be set aside and made anew (damaged, foreign), for the reason given.
     Replaced(String),
-    /// At a schema version above ours: a later release's store, refused whole, never set aside
-    /// (that release's catalog is no damage, and a rebuild at ours would downgrade the store).
+    /// At a schema version above ours, with a later release's schema ([`later_release`]): that
+    /// release's store, refused whole, never set aside (that release's catalog is no damage, and a
+    /// rebuild at ours would downgrade the store).
     Newer(i64),
 }
 
@@ -90,8 +91,9 @@ pub fn newer(root: &Root, v: i64) -> anyhow::Error {
 }
 
 /// [`newer`] if the catalog's schema version, read from its header (SQLite keeps `user_version`
-/// at bytes 60..64, big-endian), is above ours: read without SQLite, so without taking its locks or
-/// making its journal. A catalog that is missing, no file or not SQLite's is left to its command.
+/// at bytes 60..64, big-endian), is above ours and its schema a later release's: the header read
+/// without SQLite, so without taking its locks or making its journal (SQLite is asked only past
+/// that). A catalog that is missing, no file or not SQLite's is left to its command.
 pub fn refuse_newer(root: &Root) -> Result<()> {
     let Ok(dir) = root.opened() else {
         return Ok(());
@@ -107,9 +109,39 @@ pub fn refuse_newer(root: &Root) -> Result<()> {
     }
     let version = i32::from_be_bytes([header[60], header[61], header[62], header[63]]);
     match i64::from(version) {
-        v if v > SCHEMA => Err(newer(root, v)),
+        v if v > SCHEMA && later_release_file(&root.db()) => Err(newer(root, v)),
         _ => Ok(()),
     }
+}
+
+/// Whether the catalog at `db`, whose header says a schema above ours, holds a later release's
+/// schema ([`later_release`]): four bytes of header are no proof, another program's database or
+/// ours damaged there is set aside by its command. Opened read-only (no journal made, nothing
+/// rolled back); one that cannot be read now is left to its command, which asks again.
+fn later_release_file(db: &Path) -> bool {
+    let objects = check_files(db).ok().flatten().and_then(|_| {
+        let conn = connect(db, OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
+        schema_objects(&conn).ok()
+    });
+    objects.is_some_and(|o| later_release(&o))
+}
+
+/// Whether a database whose schema version is above ours is a later release's catalog: it has the
+/// `images` table every release's has, and a schema other than ours (a release that raises the
+/// version changes the schema: ours under a higher number is ours damaged at its header).
+fn later_release(objects: &[[String; 3]]) -> bool {
+    let images = objects
+        .iter()
+        .any(|[k, n, _]| k == "table" && n == "images");
+    images && !is_ours(objects)
+}
+
+/// The database's schema objects: type, name and statement, in one read.
+fn schema_objects(conn: &rusqlite::Connection) -> rusqlite::Result<Vec<[String; 3]>> {
+    let sql = "SELECT type, name, coalesce(sql, '') FROM sqlite_master ORDER BY type, name";
+    conn.prepare(sql)?
+        .query_map([], |r| Ok([r.get(0)?, r.get(1)?, r.get(2)?]))?
+        .collect()
 }
 
 /// The catalog, open under the global lock.
@@ -644,12 +676,7 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     }
     let read = || -> rusqlite::Result<(i64, Vec<[String; 3]>)> {
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        let sql = "SELECT type, name, coalesce(sql, '') FROM sqlite_master ORDER BY type, name";
-        let objects = conn
-            .prepare(sql)?
-            .query_map([], |r| Ok([r.get(0)?, r.get(1)?, r.get(2)?]))?
-            .collect::<rusqlite::Result<_>>()?;
-        Ok((version, objects))
+        Ok((version, schema_objects(conn)?))
     };
     let read = read();
     if alone {
@@ -675,7 +702,10 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
         }
-        v if v > SCHEMA => Found::Newer(v),
+        v if v > SCHEMA && later_release(&objects) => Found::Newer(v),
+        v if v > SCHEMA && is_ours(&objects) => Found::Replaced(format!(
+            "schema version {v} in its header over this release's schema: damaged at its header"
+        )),
         _ => {
             let listed = match tables.is_empty() {
                 true => "none".into(),

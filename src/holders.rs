@@ -140,6 +140,8 @@ pub struct LockReport {
     pub queued: Vec<Party>,
     /// For image locks: the image's state, from its record.
     pub image_state: Option<State>,
+    /// For image locks: why the image's state is not known (its record cannot be read), if so.
+    pub image_unknown: Option<String>,
     /// For slot classes: limit, reserve for high priority, slots in use.
     pub slot: Option<(u32, u32, u32)>,
 }
@@ -544,6 +546,7 @@ impl<'c> Look<'c> {
             waiters,
             queued,
             image_state: None,
+            image_unknown: None,
             slot: None,
         }
     }
@@ -849,6 +852,7 @@ impl<'c> Look<'c> {
             waiters: es.iter().filter(|e| e.blocked).map(party).collect(),
             queued: Vec::new(),
             image_state: None,
+            image_unknown: None,
             slot: None,
         }
     }

@@ -325,10 +325,10 @@ impl Seen {
         }
         let decoded = |i| slot(bytes, i).and_then(Record::decode);
         let (a, b) = (decoded(0), decoded(1));
-        let newer = |i| {
-            let text = String::from_utf8_lossy(slot(bytes, i)?);
-            crate::error::newer_format(&text, "stowage-record ", 1)
-        };
+        // Only a slot whose CRC holds: a format line damaged into a higher number is damage, its
+        // image's state unknown here, not a later release's image.
+        let newer =
+            |i| crate::error::newer_format(checked_body(slot(bytes, i)?)?, "stowage-record ", 1);
         let noise =
             |i, valid: bool| !valid && slot(bytes, i).is_some_and(|s| s.iter().any(|&b| b != 0));
         let torn = noise(0, a.is_some()) || noise(1, b.is_some());

@@ -57,11 +57,12 @@ pub fn config(root: &Root) -> Result<Config> {
     })
 }
 
-/// Whether any image lock file holds a record (the store is not new).
+/// Whether any image lock file holds a record (the store is not new): one that cannot be read
+/// counts (an older release's token does not).
 pub fn has_records(root: &Root) -> Result<bool> {
     Ok(crate::census::take(root)?
         .iter()
-        .any(|e| e.seen.record.is_some()))
+        .any(|e| e.seen.record.is_some() || (e.seen.damaged && !e.seen.legacy)))
 }
 
 /// The images directory `record` names where it is not the store's (an image whose tree is not ours

@@ -671,7 +671,9 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
     }
 }
 
-/// A store without a configuration and without an older catalog: its configuration, made now.
+/// A store without a configuration and without an older catalog: its configuration, made now
+/// unless images have records (a store that lost it: refused until `doctor --repair` writes it
+/// with the id its claim keeps; a fresh one would give the store a new id).
 fn ensure_config(root: &Root) -> Result<()> {
     let dir = root.open()?;
     let path = root.dir().join(crate::config::FILE);
@@ -679,6 +681,7 @@ fn ensure_config(root: &Root) -> Result<()> {
     if found
         .with_context(|| format!("cannot look at {}", path.display()))?
         .is_none()
+        && !crate::images_dir::has_records(root)?
     {
         crate::config::create(root.dir(), &dir, &Config::fresh())?;
     }

@@ -729,13 +729,30 @@ impl Root {
     /// record of this release's own use in any image lock file (a store used since is past it,
     /// whatever was put back beside), and that release's statement in the global lock file
     /// (emptied only once migrated), or its tokens, enabled or disabled beside a record a migration
-    /// wrote (one begun stays to finish; a token put here alone makes no old store).
+    /// wrote (one begun stays to finish; a token put here alone makes no old store), in a store
+    /// whose default images directory bears no claim of its own.
     pub fn older_release_left(&self) -> bool {
         match self.records_tell() {
             Told::OwnUse => false,
-            Told::Tokens => true,
+            // Disabled by a migration that finished (it claims `img` after writing the
+            // configuration): a configuration lost since is `doctor --repair`'s to write.
+            Told::Tokens => !self.claims_default_images_dir(),
             Told::Nothing => self.older_release_catalog_id().is_some(),
         }
+    }
+
+    /// Whether this store's claim is on its default images directory: written by this release
+    /// only once the store's configuration was (`Root::create_config`, a migration's end), so a
+    /// store that bears it was made or migrated by this release, whatever tokens it still holds.
+    pub fn claims_default_images_dir(&self) -> bool {
+        let Ok(img) = self.open_sub("img") else {
+            return false;
+        };
+        let me = self.open().and_then(|d| Ok(d.identity()?));
+        let claim = crate::claim::read(&img);
+        claim
+            .zip(me.ok())
+            .is_some_and(|(c, me)| crate::dir::same_identity(&c.root, &me))
     }
 
     /// Whether an image lock file holds a record of this release's own use (not a migration's,

@@ -388,6 +388,7 @@ pub fn report_of(
         waiters,
         queued: Vec::new(),
         image_state: None,
+        image_unknown: None,
         slot: limits.map(|l| (l.limit, l.reserve, in_use)),
     }
 }

@@ -145,8 +145,13 @@ pub fn orphans(
 /// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its
 /// image's, never to be adopted over (read without its lock, as the census reads).
 pub fn has_record(path: &Path) -> bool {
-    let file = crate::lock::open_existing_read(path).ok().flatten();
-    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
+    match crate::lock::open_existing_read(path) {
+        Ok(None) => false,
+        Ok(Some(f)) => image_record::read(&f).map_or(true, |s| !s.unrecorded()),
+        // One that cannot be opened or read (no permission, an I/O error) may hold one; something
+        // planted in its place holds none.
+        Err(e) => crate::planted::find(&e).is_none(),
+    }
 }
 
 /// Why an entry of the images directory that something is mounted on is no tree.

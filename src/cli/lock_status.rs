@@ -63,6 +63,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.root().check_lock_dirs(|line| store.ctx().say(line))?;
     let tty = std::io::stdout().is_terminal();
     let mut missing_any = false;
+    let mut unknown_said: Vec<String> = Vec::new();
     loop {
         let root = store.root();
         let fs = root.filesystem_now().map_or("unknown".into(), |f| f.name);
@@ -75,6 +76,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .filter(|l| {
                 l.kind == LockKind::Image
                     && l.image_state.is_none()
+                    && l.image_unknown.is_none()
                     && l.holders.is_empty()
                     && l.waiters.is_empty()
                     && sel.names.iter().any(|n| n.as_str() == l.name)
@@ -88,6 +90,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 complain!("stowage: image '{name}' does not exist");
             }
             missing_any = true;
+        }
+        for l in &locks {
+            if let Some(why) = &l.image_unknown
+                && !unknown_said.contains(&l.name)
+            {
+                complain!("stowage: image '{}': its state is not known: {why}", l.name);
+                unknown_said.push(l.name.clone());
+            }
         }
         let text = if args.json {
             let doc = StatusJson {
@@ -114,9 +124,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
     let mut rows = vec![["LOCK", "KIND", "STATE", "HOLDERS AND WAITERS"].map(String::from)];
     for l in locks {
-        let state = match l.image_state {
-            Some(s) => format!("{} ({s})", state_str(l.state)),
-            None => state_str(l.state).to_owned(),
+        let state = match (l.image_state, &l.image_unknown) {
+            (Some(s), _) => format!("{} ({s})", state_str(l.state)),
+            (None, Some(_)) => format!("{} (unknown)", state_str(l.state)),
+            (None, None) => state_str(l.state).to_owned(),
         };
         let name = if l.kind == LockKind::Slot && l.slot.is_none() {
             format!("{} (removed)", l.name)
@@ -176,7 +187,7 @@ struct StatusJson<'a> {
     locks: &'a [LockReport],
 }
 
-/// As JSON: kind, name, an image's state (null: no record), a slot class's limit, reserve and slots in use (null
+/// As JSON: kind, name, an image's state (null: no record, or one that cannot be read), a slot class's limit, reserve and slots in use (null
 /// once the class is removed while held), then state, holders, waiters and (images) queued waiters.
 impl Serialize for LockReport {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -307,12 +318,29 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
 /// with whether the file holds a record (readable or not).
 fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> (LockReport, bool) {
     let path = root.image_locks().join(file);
-    let opened = crate::lock::open_existing_read(&path).ok().flatten();
+    // A file that cannot be opened or read (no permission, an I/O error) may hold a record: its
+    // image's state is unknown, as the census takes it, never "no such image". Something planted
+    // in its place holds none.
+    let (opened, unread) = match crate::lock::open_existing_read(&path) {
+        Ok(f) => (f, None),
+        Err(e) if crate::planted::find(&e).is_some() => (None, None),
+        Err(e) => (None, Some(e)),
+    };
     let read = || {
         let seen = crate::image_record::read(opened.as_ref()?).ok()?;
         Some(seen.of(|n| crate::root::is_lock_file_of(file, n)))
     };
-    let seen = read().unwrap_or_default();
+    let unread = unread.or_else(|| {
+        let f = opened.as_ref()?;
+        crate::image_record::read(f).err()
+    });
+    let seen = match &unread {
+        Some(_) => crate::image_record::Seen {
+            damaged: true,
+            ..Default::default()
+        },
+        None => read().unwrap_or_default(),
+    };
     let name = seen
         .record
         .as_ref()
@@ -331,7 +359,26 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
         r.state = Probe::Exclusive;
     }
     r.image_state = seen.record.as_ref().map(|rec| rec.state_seen(alive));
+    r.image_unknown = unknown_why(&seen, unread.as_ref());
     (r, !seen.unrecorded())
+}
+
+/// Why an image's state is not known, if it is not: its record could not be read (`unread`: the
+/// error), is damaged, or is of a later format.
+fn unknown_why(
+    seen: &crate::image_record::Seen,
+    unread: Option<&std::io::Error>,
+) -> Option<String> {
+    if let Some(e) = unread {
+        return Some(format!("its record cannot be read: {e}"));
+    }
+    if let Some(n) = seen.newer {
+        return Some(format!(
+            "its record is of a later format ({n}): a newer stowage's image"
+        ));
+    }
+    (seen.record.is_none() && seen.damaged && !seen.legacy)
+        .then(|| "its record cannot be read: it is damaged".to_owned())
 }
 
 /// Image lock files someone holds that no lease explains (flock(1) in a script), by inode in the

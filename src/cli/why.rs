@@ -57,7 +57,9 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     let image = |n: &ImageName| reports.iter().find(|r| is_image(r, n));
     if let Target::Image(n) = &target
         && chains.is_empty()
-        && image(n).is_none_or(|r| r.image_state.is_none() && r.holders.is_empty())
+        && image(n).is_none_or(|r| {
+            r.image_state.is_none() && r.image_unknown.is_none() && r.holders.is_empty()
+        })
     {
         return Err(crate::Error::NoSuchImage(vec![n.as_str().to_owned()]).into());
     }

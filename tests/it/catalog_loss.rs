@@ -1033,3 +1033,67 @@ fn a_catalog_a_repair_cannot_set_aside_is_said_in_the_report() {
     env.ok(["doctor", "--repair"]);
     env.ok(["exec", "--read", "app", "--", "true"]);
 }
+
+/// Puts `v` in the schema version field of the catalog's header (bytes
+/// 60..64), as damage there would, leaving the rest as it is.
+fn damage_schema_version(env: &Env, v: u32) {
+    use std::os::unix::fs::FileExt as _;
+    let db = fs::OpenOptions::new()
+        .write(true)
+        .open(env.root.join("stowage.db"))
+        .unwrap();
+    db.write_all_at(&v.to_be_bytes(), 60).unwrap();
+}
+
+/// Asserts each listing and removal goes on over a catalog made unusable
+/// by `spoil` (run before each), taking it for none of a later release's.
+fn goes_on_over(env: &Env, how: &str, spoil: impl Fn()) {
+    for args in [
+        &["images"][..],
+        &["lock-status"],
+        &["slots"],
+        &["gc", "--dry-run"],
+        &["init"],
+    ] {
+        spoil();
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{how}: {args:?}: {}", show(&out));
+        assert!(!stderr(&out).contains("newer"), "{how}: {}", show(&out));
+    }
+    spoil();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{how}: {}", show(&out));
+    env.ok(["doctor"]);
+    spoil();
+    nothing_changed(env, how);
+}
+
+/// Four bytes of the catalog's header, its schema version, raised above
+/// this release's over this release's schema: damage, not a later release's
+/// catalog; set aside and made anew, never a store refused for good.
+#[test]
+fn a_catalog_damaged_in_its_schema_version_changes_no_image() {
+    let env = store_with_images();
+    let spoil = || {
+        if env.root.join("stowage.db").exists() {
+            damage_schema_version(&env, 12);
+        }
+    };
+    goes_on_over(&env, "schema version damaged", spoil);
+    let out = env.run(["rm", "app"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// Another program's database with a schema version above this release's
+/// is not a later stowage's catalog: set aside and made anew.
+#[test]
+fn another_programs_database_of_a_high_version_changes_no_image() {
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    let spoil = || {
+        let _ = fs::remove_file(&db);
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        (conn.execute_batch("CREATE TABLE notes (x); PRAGMA user_version = 20;")).unwrap();
+    };
+    goes_on_over(&env, "another program's, version 20", spoil);
+}

@@ -1282,6 +1282,33 @@ fn older_metadata_put_back_after_the_migration_changes_no_image() {
     );
 }
 
+/// Makes the catalog at `db` what a later release's would be: schema
+/// version `v` and a schema of its own (a table this release does not make).
+fn later_release_catalog(db: &Path, v: i64) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    let sql = format!(
+        "CREATE TABLE IF NOT EXISTS images (name TEXT PRIMARY KEY) WITHOUT ROWID;
+         CREATE TABLE later (x); PRAGMA user_version = {v};"
+    );
+    conn.execute_batch(&sql).unwrap();
+}
+
+/// Makes every record in an image lock file's `bytes` what a later release
+/// writes: format 2, its CRC whole (a format line damaged is no later one).
+fn later_release_record(bytes: &mut [u8]) {
+    for slot in [0, 4096] {
+        let area = &mut bytes[slot..slot + 4096];
+        if !area.starts_with(b"stowage-record 1\n") {
+            continue;
+        }
+        let end = area.iter().position(|&b| b == 0).unwrap_or(area.len());
+        let text = String::from_utf8(area[..end].to_vec()).unwrap();
+        let body = text[..text.find("\ncrc=").unwrap() + 1].replacen("record 1", "record 2", 1);
+        let record = format!("{body}crc={:08x}\n", token_crc(body.as_bytes()));
+        area[..record.len()].copy_from_slice(record.as_bytes());
+    }
+}
+
 /// Asserts `stowage ARGS…` refuses a later release's store in one line
 /// naming the way out (exit 1), and says nothing of damage.
 fn assert_refused_as_newer(env: &Env, args: &[&str], what: &str) {
@@ -1343,9 +1370,7 @@ fn a_catalog_of_a_newer_schema_is_refused_never_set_aside() {
     let env = Env::new();
     env.make_image("base");
     let db = env.root.join("stowage.db");
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    conn.pragma_update(None, "user_version", 99).unwrap();
-    drop(conn);
+    later_release_catalog(&db, 99);
     assert_refused_as_newer(&env, &["images"], "schema version 99");
     assert_doctor_leaves_newer(&env);
     let conn = rusqlite::Connection::open(&db).unwrap();
@@ -1369,11 +1394,7 @@ fn a_record_of_a_newer_format_is_refused_never_rewritten() {
     let lock = env.lock_file("base");
     let mut bytes = fs::read(&lock).unwrap();
     assert!(bytes.starts_with(b"stowage-record 1\n"));
-    for slot in [0, 4096] {
-        if bytes[slot..].starts_with(b"stowage-record 1\n") {
-            bytes[slot + 15] = b'2';
-        }
-    }
+    later_release_record(&mut bytes);
     fs::write(&lock, &bytes).unwrap();
     for args in [
         &["exec", "--read", "base", "--", "true"][..],
@@ -1388,6 +1409,45 @@ fn a_record_of_a_newer_format_is_refused_never_rewritten() {
     assert!(stdout(&out).contains("upgrade stowage"), "{}", show(&out));
 }
 
+/// A record whose format line was damaged into a higher number (its CRC
+/// no longer holds) is damage, not a later release's record: its image is
+/// kept with its state unknown, never refused as a newer stowage's.
+#[test]
+fn a_record_damaged_in_its_format_line_is_damage_not_a_later_release() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("other");
+    let lock = env.lock_file("base");
+    let mut bytes = fs::read(&lock).unwrap();
+    for slot in [0, 4096] {
+        if bytes[slot..].starts_with(b"stowage-record 1\n") {
+            bytes[slot + 15] = b'7';
+        }
+    }
+    fs::write(&lock, &bytes).unwrap();
+    for args in [&["images"][..], &["gc", "--dry-run"], &["doctor"]] {
+        let out = env.run(args);
+        let text = format!("{}{}", stdout(&out), stderr(&out));
+        assert!(!text.contains("newer"), "{args:?}: {}", show(&out));
+        assert!(!text.contains("later format"), "{args:?}: {}", show(&out));
+    }
+    let out = env.ok(["gc", "--dry-run"]);
+    let text = format!("{}{}", stdout(&out), stderr(&out));
+    assert!(
+        text.contains("kept 'base'") && text.contains("cannot be read"),
+        "{}",
+        show(&out)
+    );
+    let json = env.images_json();
+    let base = json.iter().find(|i| i["name"] == "base").unwrap();
+    assert!(base["newer_format"].is_null(), "{json:?}");
+    let out = env.run(["exec", "--read", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(!stderr(&out).contains("newer"), "{}", show(&out));
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
 /// `images` and `gc` say of an image whose record a later release wrote
 /// what exec says: a newer stowage's, its state not known here — never
 /// `incomplete`, which says its writer failed, nor "cannot be read".
@@ -1398,11 +1458,7 @@ fn an_image_a_newer_stowage_recorded_is_listed_and_kept_as_such() {
     env.make_image("other");
     let lock = env.lock_file("base");
     let mut bytes = fs::read(&lock).unwrap();
-    for slot in [0, 4096] {
-        if bytes[slot..].starts_with(b"stowage-record 1\n") {
-            bytes[slot + 15] = b'2';
-        }
-    }
+    later_release_record(&mut bytes);
     fs::write(&lock, &bytes).unwrap();
     let out = env.ok(["images"]);
     let row = stdout(&out)
@@ -1520,28 +1576,63 @@ fn a_newer_store_is_refused_before_anything_is_taken_or_written() {
     fs::write(&conf, &text).unwrap();
 
     let db = env.root.join("stowage.db");
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    conn.pragma_update(None, "user_version", 12).unwrap();
-    drop(conn);
+    let before = fs::read(&db).ok();
+    later_release_catalog(&db, 12);
     let schema = "schema version 12";
     let but_exec: Vec<&[&str]> = every.iter().copied().filter(|a| a[0] != "exec").collect();
     assert_refused_untouched(&env, &but_exec, schema);
     // exec reads no catalog, but a store-wide hold is refused by it too.
     assert_refused_untouched(&env, &every[..2], schema);
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    conn.pragma_update(None, "user_version", 11).unwrap();
-    drop(conn);
+    match before {
+        Some(bytes) => fs::write(&db, bytes).unwrap(),
+        None => fs::remove_file(&db).unwrap(),
+    }
 
     // A record of a later format (b's, not in use): a store-wide hold would hint it.
     let lock = env.lock_file("b");
     let mut bytes = fs::read(&lock).unwrap();
-    for slot in [0, 4096] {
-        if bytes[slot..].starts_with(b"stowage-record 1\n") {
-            bytes[slot + 15] = b'2';
-        }
-    }
+    later_release_record(&mut bytes);
     fs::write(&lock, &bytes).unwrap();
     assert_refused_untouched(&env, &every[..2], "the record of image 'b', format 2");
     env.release("release");
     assert!(reader.finish().status.success());
+}
+
+/// The store id `store.conf` names.
+fn store_id(env: &Env) -> String {
+    let conf = fs::read_to_string(env.root.join("store.conf")).unwrap();
+    let id = conf.lines().find_map(|l| l.strip_prefix("id="));
+    id.unwrap().to_owned()
+}
+
+/// A migrated store that loses `store.conf` is a store of this release that
+/// lost it, not one to migrate again: commands that need it refuse, naming
+/// the repair, and `doctor --repair` writes it with the store's own id (its
+/// claim on `img` keeps it), never a new one.
+#[test]
+fn a_migrated_store_that_lost_its_configuration_is_repaired_not_migrated_again() {
+    let env = old_store();
+    env.ok(["images"]);
+    let (id, before) = (store_id(&env), states(&env));
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    let conf = env.root.join("store.conf");
+    let out = env.ok(["images"]);
+    assert!(!stderr(&out).contains("migrating"), "{}", show(&out));
+    assert!(!conf.exists(), "images wrote a configuration");
+    for args in [&["exec", "--write", "new", "--", "true"][..], &["gc"]] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("store.conf is missing"), "{args:?}: {err}");
+        assert!(err.contains("'stowage doctor --repair'"), "{args:?}: {err}");
+        assert!(!err.contains("migrating"), "{args:?}: {err}");
+        assert!(!conf.exists(), "{args:?} wrote a configuration");
+    }
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("written anew"), "{}", show(&out));
+    assert_eq!(store_id(&env), id, "the store keeps its id");
+    // The repair finishes the removal the old store left interrupted.
+    let kept: Vec<_> = before.into_iter().filter(|i| i.0 != "doomed").collect();
+    assert_eq!(states(&env), kept, "no image changed");
+    env.ok(["exec", "--write", "new", "--", "true"]);
 }

@@ -1423,3 +1423,63 @@ fn a_command_queued_behind_a_slot_shows_on_the_images_it_will_take() {
     let json = env.status_json(["base"]);
     assert_eq!(json["locks"][1]["queued"], serde_json::json!([]), "{json}");
 }
+
+/// Asserts `lock-status IMG` (run by `run`) shows the image with its state
+/// unknown and says why on stderr, naming `cause`, and `--all` lists it.
+fn shown_unknown(run: impl Fn(&[&str]) -> std::process::Output, cause: &str) {
+    let out = run(&["lock-status", "app"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let row = stdout(&out)
+        .lines()
+        .find(|l| l.starts_with("app "))
+        .map(str::to_owned);
+    assert!(row.is_some_and(|r| r.contains("unknown")), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("image 'app': its state is not known"), "{err}");
+    assert!(
+        err.contains(cause) && !err.contains("does not exist"),
+        "{err}"
+    );
+    let out = run(&["lock-status", "--all", "--json"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let locks = doc["locks"].as_array().unwrap();
+    let app = locks
+        .iter()
+        .find(|l| l["kind"] == "image" && l["name"] == "app");
+    assert!(app.is_some_and(|a| a["image_state"].is_null()), "{doc}");
+    let base = locks.iter().find(|l| l["name"] == "base").unwrap();
+    assert_eq!(base["image_state"], "ready", "{doc}");
+    let out = run(&["lock-status", "--why", "app"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// An image whose lock file this user cannot open (its modes lost in a
+/// group store) exists still, as `images` and `gc` keep it: `lock-status`
+/// shows it, its state unknown and why, never "does not exist".
+#[test]
+fn an_image_whose_lock_file_cannot_be_opened_is_shown_unknown() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = unprivileged_env();
+    unprivileged_build(&env, "app", "true");
+    unprivileged_build(&env, "base", "true");
+    let lock = env.lock_file("app");
+    fs::set_permissions(&lock, fs::Permissions::from_mode(0o000)).unwrap();
+    shown_unknown(|args| unprivileged(&env, args), "Permission denied");
+}
+
+/// An image whose record is damaged exists still: `lock-status` shows it,
+/// its state unknown and why, never "does not exist".
+#[test]
+fn an_image_whose_record_is_damaged_is_shown_unknown() {
+    let env = Env::new();
+    env.make_image("app");
+    env.make_image("base");
+    let lock = env.lock_file("app");
+    let mut bytes = fs::read(&lock).unwrap();
+    for at in [0, 4096] {
+        bytes[at..at + 8].copy_from_slice(b"garbage!");
+    }
+    fs::write(&lock, &bytes).unwrap();
+    shown_unknown(|args| env.run(args), "damaged");
+}
