@@ -877,7 +877,7 @@ fn take_back_loans(root: &Root, held: &Held, images: Option<&Dir>) {
     if lend.file().metadata().is_ok_and(|m| m.len() > 0)
         && let Some(tree) = images.and_then(|d| d.sub(held.name.encoded()).ok())
     {
-        let _ = crate::loan::restore(lend.file(), &tree);
+        let _ = crate::loan::restore(lend.file(), &path, &tree);
     }
 }
 

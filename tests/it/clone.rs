@@ -1422,3 +1422,89 @@ fn a_forged_lend_file_changes_nothing_outside_what_a_loan_lent() {
     env.ok(["exec", "--write", "base", "--", "true"]);
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+/// The name of each level of [`deep_000_tree`]: 250 bytes.
+fn deep_name() -> String {
+    "n".repeat(250)
+}
+
+/// Makes under `top` a chain of 100 directories named [`deep_name`] (a path
+/// past PATH_MAX, so by descriptor) holding a file `f`, all `uid`'s, the
+/// directories mode 000.
+fn deep_000_tree(top: &Path, uid: u32) {
+    use nix::fcntl::{OFlag, open, openat};
+    use nix::sys::stat::{Mode, fchmod, mkdirat};
+    let dir = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+    let mut levels = vec![open(top, dir, Mode::empty()).unwrap()];
+    let owner = |fd: &std::os::fd::OwnedFd| {
+        let id = Some(nix::unistd::Uid::from_raw(uid));
+        nix::unistd::fchown(fd, id, Some(nix::unistd::Gid::from_raw(uid))).unwrap()
+    };
+    for _ in 0..100 {
+        let up = levels.last().unwrap();
+        mkdirat(up, deep_name().as_str(), Mode::from_bits_truncate(0o755)).unwrap();
+        let sub = openat(up, deep_name().as_str(), dir, Mode::empty()).unwrap();
+        owner(&sub);
+        levels.push(sub);
+    }
+    let create = OFlag::O_WRONLY | OFlag::O_CREAT;
+    let f = openat(
+        levels.last().unwrap(),
+        "f",
+        create,
+        Mode::from_bits_truncate(0o644),
+    )
+    .unwrap();
+    owner(&f);
+    for level in &levels[1..] {
+        fchmod(level, Mode::empty()).unwrap();
+    }
+}
+
+/// The modes of the levels of [`deep_000_tree`] under `top`, top first.
+fn deep_modes(top: &Path) -> Vec<u32> {
+    use nix::fcntl::{AtFlags, OFlag, open, openat};
+    use nix::sys::stat::{Mode, fstatat};
+    let dir = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+    let mut here = open(top, dir, Mode::empty()).unwrap();
+    let mut modes = Vec::new();
+    for _ in 0..100 {
+        let st = fstatat(&here, deep_name().as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).unwrap();
+        modes.push(st.st_mode & 0o7777);
+        here = openat(&here, deep_name().as_str(), dir, Mode::empty()).unwrap();
+    }
+    modes
+}
+
+/// A copy by its owner killed while every level of a base 100 deep, each
+/// named by 250 bytes and of mode 000, is lent: its journal holds over
+/// 2 MiB (each line names its path from the top), and doctor --repair
+/// reads it whole: every level gets its mode back. Before, the journal was
+/// read to 1 MiB and emptied: 35 levels kept the lent mode, and doctor
+/// said nothing more of it.
+#[test]
+fn a_journal_of_loans_over_a_mebibyte_is_restored_whole() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "base", "true");
+    let base = env.images_dir().join("base");
+    deep_000_tree(&base, 65534);
+    assert_eq!(deep_modes(&base), vec![0; 100]);
+    let pause = env.tmp.path().join("k-paused");
+    let args = ["exec", "--write", "k", "--from", "base", "--", "true"];
+    let k = unprivileged_bg(&env, &args, Some(("clone-copying", &pause))).unwrap();
+    wait_for_file(&pause);
+    k.kill_all();
+    assert_eq!(deep_modes(&base), vec![0o500; 100], "all lent");
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert!(
+        stdout(&out).contains("restored the modes"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(deep_modes(&base), vec![0; 100]);
+    let out = unprivileged(&env, &["doctor"]);
+    assert!(!stdout(&out).contains("loans"), "{}", show(&out));
+}

@@ -1725,3 +1725,137 @@ fn an_acl_entry_naming_a_user_outside_the_group_is_kept() {
         "{kept}"
     );
 }
+
+/// The mode of `p`'s permission bits (a group store's directories are setgid besides).
+fn mode_of(p: &Path) -> u32 {
+    fs::symlink_metadata(p).unwrap().mode() & 0o777
+}
+
+/// A base of uid 1001's holding `etc` (mode 755), and its lend file made by
+/// a copy: what every member may write.
+fn base_with_lend_file(env: &Env) -> (std::path::PathBuf, std::path::PathBuf) {
+    builds_as(
+        env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir etc && chmod 755 etc && echo x > etc/passwd",
+    );
+    let out = as_uid(
+        env,
+        1001,
+        &["exec", "--write", "c0", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let lend = env.root.join("locks/images/base.lend");
+    assert!(lend.exists());
+    (env.root.join("img/base/etc"), lend)
+}
+
+/// A loan's journal line for `p` (named `rel` from the base's top) that
+/// says it lacked the owner bits `taken` before they were lent.
+fn loan_line(p: &Path, rel: &str, taken: u32) -> String {
+    let m = fs::symlink_metadata(p).unwrap();
+    let hex: String = rel.bytes().map(|b| format!("{b:02x}")).collect();
+    let lent = m.mode() & 0o7777;
+    let was = lent & !taken;
+    format!("{was:o} {lent:o} {} {} {hex}\n", m.dev(), m.ino())
+}
+
+/// A member writes, in the base's lend file every member may write, a
+/// loan that never happened: "`etc` was 255 before its owner bits were
+/// lent". Neither the owner's next copy, nor the owner's gc, nor root's
+/// doctor --repair takes owner bits from the base for it: a loan is
+/// journaled by its lender, in a file only it can write. Before, each of
+/// them set `etc` to mode 255.
+#[test]
+fn a_members_line_in_a_lend_file_takes_no_owner_bits_from_a_base() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let (etc, lend) = base_with_lend_file(&env);
+    let copy = ["exec", "--write", "c1", "--from", "base", "--", "true"];
+    let runs: [(u32, &[&str]); 3] = [(1001, &copy), (0, &["doctor", "--repair"]), (1001, &["gc"])];
+    for (uid, args) in runs {
+        fs::write(&lend, loan_line(&etc, "etc", 0o500)).unwrap();
+        let out = match uid {
+            0 => env.run(args),
+            uid => as_uid(&env, uid, args),
+        };
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert_eq!(mode_of(&etc), 0o755, "after {args:?} as uid {uid}");
+    }
+    let out = as_uid(&env, 1001, &copy);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(mode_of(&env.root.join("img/c1/etc")), 0o755);
+}
+
+/// What is planted where uid 1001's journal of loans goes — a FIFO, a
+/// symlink, a directory, a file of another member's or one others may
+/// write, or in place of 1001's directory of journals a symlink or another
+/// member's directory — is never followed or written: the copy that would
+/// restore from it is refused in one line naming it, and neither the base
+/// nor what a link leads to changes.
+#[test]
+fn a_journal_of_loans_planted_for_a_lender_is_refused_not_followed() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let (etc, lend) = base_with_lend_file(&env);
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    let fake = loan_line(&etc, "etc", 0o500);
+    fs::write(outside.join("base.lend"), &fake).unwrap();
+    let loans = env.root.join("locks/images/1001.loans");
+    let journal = loans.join("base.lend");
+    let own = |p: &Path, uid: u32, mode: u32| {
+        std::os::unix::fs::chown(p, Some(uid), Some(GID)).unwrap();
+        fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+    };
+    for case in [
+        "fifo",
+        "symlink",
+        "dir",
+        "theirs",
+        "group-writable",
+        "dir-link",
+        "their-dir",
+    ] {
+        let _ = fs::remove_dir_all(&loans).or_else(|_| fs::remove_file(&loans));
+        match case {
+            "dir-link" => std::os::unix::fs::symlink(&outside, &loans).unwrap(),
+            "their-dir" => {
+                fs::create_dir(&loans).unwrap();
+                fs::write(&journal, &fake).unwrap();
+                own(&journal, 65534, 0o644);
+                own(&loans, 65534, 0o755);
+            }
+            _ => {
+                fs::create_dir(&loans).unwrap();
+                match case {
+                    "fifo" => Plant::Fifo.at(&journal, &outside),
+                    "symlink" => Plant::Symlink.at(&journal, &outside.join("base.lend")),
+                    "dir" => Plant::Dir.at(&journal, &outside),
+                    _ => fs::write(&journal, &fake).unwrap(),
+                }
+                match case {
+                    "theirs" => own(&journal, 65534, 0o644),
+                    "group-writable" => own(&journal, 1001, 0o664),
+                    _ => {}
+                }
+                own(&loans, 1001, 0o755);
+            }
+        }
+        fs::write(&lend, "1001\n").unwrap();
+        let copy = ["exec", "--write", "c1", "--from", "base", "--", "true"];
+        let (code, said) = said_by(&env, 1001, &copy);
+        assert_eq!(code, Some(1), "{case}: {said}");
+        assert_eq!(said.lines().count(), 1, "{case}: {said}");
+        assert!(said.contains("1001.loans"), "{case}: {said}");
+        assert_eq!(mode_of(&etc), 0o755, "{case}");
+        assert_eq!(
+            fs::read_to_string(outside.join("base.lend")).unwrap(),
+            fake,
+            "{case}"
+        );
+    }
+}
