@@ -161,7 +161,7 @@ impl Loans {
             wait.notice = Some((NOTICE, Box::new(say)));
         }
         let got = lock::acquire(&self.path, mode, IfMissing::Create, &mut wait)
-            .with_context(|| format!("cannot lock {shown}"))?;
+            .map_err(|e| lock::error("the base's lend lock", &self.path, e))?;
         let guard = got.or_else_busy(|| anyhow::anyhow!("cannot lock {shown}"))?;
         if mode == Mode::Exclusive {
             restore(guard.file(), &self.path, &self.top)

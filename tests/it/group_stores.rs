@@ -1859,3 +1859,78 @@ fn a_journal_of_loans_planted_for_a_lender_is_refused_not_followed() {
         );
     }
 }
+
+/// A lend file another member made that uid 1001 may not write (mode 644,
+/// as flock(1) under a 022 umask makes one): the copy's one line names the
+/// file, its mode, its owner and the fix. Before: "Permission denied".
+#[test]
+fn a_lend_file_a_member_made_unwritable_is_named_with_its_owner_and_fix() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    let lend = env.root.join("locks/images/base.lend");
+    fs::write(&lend, "").unwrap();
+    std::os::unix::fs::chown(&lend, Some(65534), Some(GID)).unwrap();
+    fs::set_permissions(&lend, fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, said) = said_by(
+        &env,
+        1001,
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code, Some(1), "{said}");
+    assert_eq!(said.lines().count(), 1, "{said}");
+    for part in ["base.lend", "644", "uid 65534", "doctor --repair"] {
+        assert!(said.contains(part), "{part}: {said}");
+    }
+}
+
+/// A copy by uid 1001 killed while it has a directory of the base lent:
+/// another member's doctor --repair cannot put the mode back, and says
+/// which uid must (1001, or root); root's does. Before, it advised
+/// 'stowage doctor --repair', what was just run.
+#[test]
+fn doctor_repair_names_who_must_restore_another_members_loans() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let pauses = env.tmp.path().join("pauses");
+    fs::create_dir(&pauses).unwrap();
+    fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
+    let file = pauses.join("paused");
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=1001", "--regid=100", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--write", "k", "--from", "base", "--", "true"])
+        .env(
+            stowage::env::DEBUG_PAUSE,
+            format!("clone-copying:{}", file.display()),
+        )
+        .env_remove("STOWAGE_ROOT");
+    let bg = Bg::from_command(c);
+    wait_for_file(&file);
+    bg.kill_all();
+    assert_eq!(mode_of(&a), 0o500, "lent");
+    let (code, said) = said_by(&env, 65534, &["doctor", "--repair"]);
+    assert_eq!(code, Some(1), "{said}");
+    let line = said
+        .lines()
+        .find(|l| l.contains("loans"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("uid 1001") && line.contains("only that user or root"),
+        "{said}"
+    );
+    assert_eq!(mode_of(&a), 0o500);
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(mode_of(&a), 0o000, "after root's repair");
+}
