@@ -625,9 +625,9 @@ fn a_base_tree_one_may_not_open_is_refused_before_the_copy() {
 
 /// An image whose top its owner left read-only (mode 555) is rebuilt from a
 /// base by that owner: emptied with owner write lent to its top, as `rm`
-/// moves it. Another user's such image cannot be emptied: the copy fails at
-/// its first deletion, naming the directory's owner, and the image is left
-/// as it was (ready, its tree and base), not incomplete for gc to delete.
+/// moves it. Another user's such image cannot be emptied: the copy fails
+/// before deleting anything, naming the directory's owner, and the image is
+/// left as it was (ready, its tree and base), not incomplete for gc to delete.
 #[test]
 fn a_read_only_image_top_is_rebuilt_by_its_owner_and_left_as_it_was_by_others() {
     if !root_or_skip("an image top another user owns") {
@@ -664,10 +664,7 @@ fn a_read_only_image_top_is_rebuilt_by_its_owner_and_left_as_it_was_by_others() 
     let out = rebuild("theirs");
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     let err = stderr(&out);
-    assert!(
-        err.contains("theirs/content") && err.contains("uid 0's"),
-        "{err}"
-    );
+    assert!(err.contains("theirs") && err.contains("uid 0's"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert_eq!(fs::read_to_string(theirs.join("content")).unwrap(), "OLD\n");
     let mode = fs::metadata(&theirs).unwrap().permissions().mode() & 0o7777;
@@ -1421,6 +1418,27 @@ fn a_forged_lend_file_changes_nothing_outside_what_a_loan_lent() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     env.ok(["exec", "--write", "base", "--", "true"]);
     assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// Rebuilding an image from a base whose lend file cannot be locked (a
+/// FIFO planted there) is refused before anything of the image is deleted:
+/// its files, state and base are as they were. Before, the image was
+/// emptied first and left `incomplete`.
+#[test]
+fn a_rebuild_refused_by_the_bases_lend_file_leaves_the_image_as_it_was() {
+    let env = Env::new();
+    env.build("base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    env.build("app", "echo precious > \"$STOWAGE_IMAGE_DIR/p\"");
+    let lend = env.root.join("locks/images/base.lend");
+    let _ = fs::remove_file(&lend);
+    Plant::Fifo.at(&lend, env.tmp.path());
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", show(&out));
+    assert!(stderr(&out).contains("FIFO"), "{}", show(&out));
+    assert_eq!(env.read_in_image("app", "p"), "precious\n");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(env.image("app").unwrap()["base"].is_null());
 }
 
 /// The name of each level of [`deep_000_tree`]: 250 bytes.

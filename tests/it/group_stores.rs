@@ -1726,6 +1726,57 @@ fn an_acl_entry_naming_a_user_outside_the_group_is_kept() {
     );
 }
 
+/// The names in image `name`'s tree, sorted.
+fn names_in(env: &Env, name: &str) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(env.root.join("img").join(name))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Rebuilding an image from a base, by its owner, when a directory in it
+/// that another member made keeps the owner from emptying it (mode 555,
+/// not empty): refused before anything is deleted, naming the directory
+/// and its owner; the image keeps its files, state and base. Before, the
+/// image was emptied up to that directory and left `incomplete`.
+#[test]
+fn a_rebuild_refused_by_a_members_directory_leaves_the_image_as_it_was() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    builds_as(
+        &env,
+        1001,
+        "app",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir pub && chmod 777 pub && for i in 1 2 3 4 5 6; do echo $i > a$i; done",
+    );
+    let bd = env.root.join("img/app/pub/bd");
+    fs::create_dir(&bd).unwrap();
+    fs::write(bd.join("f"), "f").unwrap();
+    for p in [bd.join("f"), bd.clone()] {
+        std::os::unix::fs::chown(&p, Some(65534), Some(GID)).unwrap();
+    }
+    fs::set_permissions(&bd, fs::Permissions::from_mode(0o555)).unwrap();
+    let before = names_in(&env, "app");
+    let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &rebuild);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("pub/bd")
+            && said.contains("uid 65534")
+            && said.contains("nothing was deleted"),
+        "{said}"
+    );
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert_eq!(names_in(&env, "app"), before);
+    assert!(bd.join("f").exists());
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(env.image("app").unwrap()["base"].is_null());
+}
+
 /// The mode of `p`'s permission bits (a group store's directories are setgid besides).
 fn mode_of(p: &Path) -> u32 {
     fs::symlink_metadata(p).unwrap().mode() & 0o777
@@ -1933,4 +1984,30 @@ fn doctor_repair_names_who_must_restore_another_members_loans() {
     assert_eq!(mode_of(&a), 0o500);
     env.ok(["doctor", "--repair"]);
     assert_eq!(mode_of(&a), 0o000, "after root's repair");
+}
+
+/// Rebuilding from a base another member's image that the images
+/// directory (sticky, root's) does not let the caller replace: refused
+/// before anything is deleted, and the image keeps its files, state and
+/// base. Before, it was emptied, then its top could not be replaced, and
+/// it was left empty and `incomplete`.
+#[test]
+fn a_rebuild_of_a_members_image_the_images_directory_keeps_is_refused_first() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    member_builds(&env, "app", "echo a > \"$STOWAGE_IMAGE_DIR/a\"");
+    let img = env.root.join("img");
+    let mode = fs::metadata(&img).unwrap().mode() & 0o7777;
+    fs::set_permissions(&img, fs::Permissions::from_mode(mode | 0o1000)).unwrap();
+    let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &rebuild);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("uid 65534") && said.contains("lets only that user, uid 0 or root"),
+        "{said}"
+    );
+    assert_eq!(names_in(&env, "app"), ["a"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
