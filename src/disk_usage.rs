@@ -151,6 +151,11 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
+    walk_dir(top, dir, visit)
+}
+
+/// [`walk`] of the directory `top`, opened by the caller; `dir` names it in messages.
+pub fn walk_dir(top: Dir, dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     let at_top = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
     let st = dir::fstat(&top).map_err(at_top)?;
     let (dev, mount) = (st.st_dev, top.mount_id().map_err(at_top)?);

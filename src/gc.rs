@@ -378,12 +378,13 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
 }
 
 /// Images whose trees keep modes a killed copy lent (`loan.rs`), by name: those restored (with
-/// `restore`, where no copy of the image runs and nobody writes it), and those left.
+/// `restore`, where no copy of the image runs and nobody writes it), and those left, each with why
+/// where a restore was tried and refused (another user's loans: that user must act).
 pub(crate) fn restore_loans(
     root: &crate::root::Root,
     entries: &[Entry],
     restore: bool,
-) -> (Vec<String>, Vec<String>) {
+) -> (Vec<String>, Vec<(String, Option<String>)>) {
     let (mut restored, mut left) = (Vec::new(), Vec::new());
     for e in entries {
         let Some(r) = e.seen.record.as_ref() else {
@@ -399,18 +400,20 @@ pub(crate) fn restore_loans(
             continue;
         }
         let done = restore
-            && (|| {
+            .then(|| {
                 let read = (Mode::Shared, lock::IfMissing::Fail);
                 let _read = lock::acquire_no_wait(&e.path, read.0, read.1).ok()??;
                 // The tree where its record says (checked as a command's).
                 let images = crate::images_dir::for_command(root, r).ok()?;
                 let dir = root.open_images_dir(&images).ok()?;
                 let tree = dir.sub(name.encoded()).ok()?;
-                crate::loan::restore_left(&lend, &tree).ok()
-            })() == Some(true);
+                Some(crate::loan::restore_left(&lend, &tree))
+            })
+            .flatten();
         match done {
-            true => restored.push(name.to_string()),
-            false => left.push(name.to_string()),
+            Some(Ok(true)) => restored.push(name.to_string()),
+            Some(Err(why)) => left.push((name.to_string(), Some(why.to_string()))),
+            _ => left.push((name.to_string(), None)),
         }
     }
     (restored, left)

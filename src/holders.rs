@@ -958,7 +958,10 @@ fn exiting(pid: u32) -> bool {
         return true;
     };
     // From the state on: state, ppid, pgrp, session, tty, tpgid, flags.
-    let flags = fields.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok());
+    let flags = fields
+        .split_whitespace()
+        .nth(6)
+        .and_then(|f| f.parse::<u64>().ok());
     fields.trim_start().starts_with('Z') || flags.is_some_and(|f| f & PF_EXITING != 0)
 }
 

@@ -8,12 +8,18 @@
 //!   and copies the modes it stats. Shared is let go before exclusive is waited for (two upgraders
 //!   in place would deadlock). Only copies take it, after their image locks, and none waits for
 //!   another lock while holding it.
-//! - **Journaled.** The lend file holds the loans outstanding, one line each (the inode's names
-//!   from the image's top, device, inode, mode before, mode lent), written durably before the
-//!   chmod and cut off after the mode is back (loans are a stack). Whoever next holds the lock
-//!   exclusively (the next copy, `gc`, `doctor --repair`) restores what a killed lender left: an
-//!   inode that is the same and still has the lent mode gets its mode back.
-//! - An image's record dropped (removed) empties and unlinks its lend file: its loans end with it.
+//! - **Journaled, by each lender in a file of its own.** A lender's loans outstanding are lines of
+//!   its journal `ENC.lend.UID` (the inode's names from the image's top, device, inode, mode before,
+//!   mode lent), written durably before the chmod and cut off after the mode is back (loans are a
+//!   stack). Only its lender can write it (its own, no group or other write bit, one name): in a
+//!   group store any member may write the lend file, so a line there could make a restorer take
+//!   owner bits away. The lend file only names the uids with a journal (an empty one: no loan,
+//!   so a copy reads nothing more). Whoever next holds the lock exclusively (the next copy, `gc`,
+//!   `doctor --repair`) restores what a killed lender left: a line of UID's journal, on an inode
+//!   of UID's that is the same and still has the lent mode, gets its mode back — by UID or root;
+//!   anyone else says whose loans are left.
+//! - An image's record dropped (removed) empties and unlinks its lend file and the journals it
+//!   names: its loans end with it.
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -21,7 +27,7 @@ use std::io::{self, Write as _};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use anyhow::{Context, Result};
@@ -37,8 +43,17 @@ pub struct Loans {
     guard: Option<Guard>,
     /// The base as a wait says it; `None`: quiet.
     shown: Option<String>,
-    /// The journal as loans share it (one descriptor however many are out), held exclusively.
-    lending: Option<Rc<File>>,
+    /// Our journal as loans share it (one descriptor however many are out), the lock held
+    /// exclusively.
+    lending: Option<Journal>,
+}
+
+/// A lender's own journal of loans, opened.
+struct Journal {
+    file: Rc<File>,
+    /// The directory holding it, and its name there.
+    dir: Dir,
+    name: CString,
 }
 
 /// How long a wait for the lend lock goes on before it is said.
@@ -79,6 +94,28 @@ impl Lent {
     }
 }
 
+impl Drop for Loans {
+    /// Every loan given back (our journal empty), our journal goes, then our uid from the lend
+    /// file: the next copy finds it empty and reads nothing more. A crash between leaves a uid
+    /// without a journal, passed over.
+    fn drop(&mut self) {
+        let (Some(j), Some(g)) = (&self.lending, &self.guard) else {
+            return;
+        };
+        if !j.file.metadata().is_ok_and(|m| m.len() == 0) {
+            return;
+        }
+        let Ok(st) = dir::fstat(&*j.file) else { return };
+        let name = OsStr::from_bytes(j.name.to_bytes());
+        if j.dir.unlink_if(name, st.st_dev, st.st_ino).is_ok()
+            && let Ok(mut uids) = lenders(g.file())
+        {
+            uids.retain(|u| *u != st.st_uid);
+            let _ = set_lenders(g.file(), &uids);
+        }
+    }
+}
+
 impl Loans {
     /// Takes the lend lock at `path` of the base whose top is `top`, shared (exclusive if a killed
     /// lender's journal must be restored first), waiting out a lender. A wait that goes on is said
@@ -93,7 +130,7 @@ impl Loans {
             lending: None,
         };
         loans.lock(Mode::Shared)?;
-        if loans.journal()?.metadata()?.len() > 0 {
+        if loans.lend_file()?.metadata()?.len() > 0 {
             loans.lock(Mode::Exclusive)?;
         }
         Ok(loans)
@@ -102,7 +139,7 @@ impl Loans {
     /// Lets go of the lock held, waits for it in `mode`, and held exclusively restores what is
     /// journaled.
     fn lock(&mut self, mode: Mode) -> Result<()> {
-        (self.guard, self.lending) = (None, None);
+        (self.lending, self.guard) = (None, None);
         let shown = self.path.display();
         let dir = self.path.parent().unwrap_or(self.path.as_path());
         let mut wait = Wait::on(dir, None);
@@ -124,17 +161,17 @@ impl Loans {
             wait.notice = Some((NOTICE, Box::new(say)));
         }
         let got = lock::acquire(&self.path, mode, IfMissing::Create, &mut wait)
-            .with_context(|| format!("cannot lock {shown}"))?;
+            .map_err(|e| lock::error("the base's lend lock", &self.path, e))?;
         let guard = got.or_else_busy(|| anyhow::anyhow!("cannot lock {shown}"))?;
         if mode == Mode::Exclusive {
-            restore(guard.file(), &self.top)
-                .with_context(|| format!("cannot restore the modes journaled in {shown}"))?;
+            restore(guard.file(), &self.path, &self.top)
+                .with_context(|| format!("cannot restore the modes journaled for {shown}"))?;
         }
         self.guard = Some(guard);
         Ok(())
     }
 
-    fn journal(&self) -> io::Result<&File> {
+    fn lend_file(&self) -> io::Result<&File> {
         (self.guard.as_ref().map(Guard::file)).ok_or_else(|| io::Error::other("no lend lock"))
     }
 
@@ -145,6 +182,37 @@ impl Loans {
             Some(g) if g.mode() == Mode::Exclusive => Ok(()),
             _ => self.lock(Mode::Exclusive),
         }
+    }
+
+    /// Our journal, opened (made) on the first loan, its uid named in the lend file first and
+    /// both names synced: a crash after leaves a journal its restorer finds.
+    fn journal(&mut self) -> io::Result<Rc<File>> {
+        if let Some(j) = &self.lending {
+            return Ok(j.file.clone());
+        }
+        let me = nix::unistd::geteuid().as_raw();
+        let lend = self.lend_file()?;
+        let mut uids = lenders(lend)?;
+        if !uids.contains(&me) {
+            uids.push(me);
+            set_lenders(lend, &uids)?;
+        }
+        let (dir, name) = journal_of(&self.path, me, true)?.ok_or(io::ErrorKind::NotFound)?;
+        let flags = libc::O_RDWR | libc::O_CREAT;
+        let file = open_journal(&dir, &name, me, flags, &self.path)?;
+        let file = file.ok_or(io::ErrorKind::NotFound)?;
+        // Lines the lend file did not name (emptied meanwhile): ours, so put back before ours.
+        if file.metadata()?.len() > 0 {
+            empty_journal(&file, me, &self.top)?;
+        }
+        nix::unistd::fsync(&dir)?;
+        let file = Rc::new(file);
+        self.lending = Some(Journal {
+            file: file.clone(),
+            dir,
+            name,
+        });
+        Ok(file)
     }
 
     /// Lends the owner bits `need` on `path` (an `O_PATH` descriptor of the inode `st`, named
@@ -164,17 +232,8 @@ impl Loans {
         {
             return Err(io::Error::other("a loan without the lend lock"));
         }
-        let journal = match &self.lending {
-            Some(j) => j.clone(),
-            None => Rc::new(self.journal()?.try_clone()?),
-        };
-        self.lending = Some(journal.clone());
+        let journal = self.journal()?;
         let at = journal.metadata()?.len();
-        if at == 0 {
-            // The lend file's name must outlive a crash as its lines do.
-            let dir = Dir::open_in_root(self.path.parent().unwrap_or(&self.path))?;
-            nix::unistd::fsync(&dir)?;
-        }
         let mode = st.st_mode & 0o7777;
         let (dev, ino, names) = (st.st_dev, st.st_ino, hex(names));
         let line = format!("{mode:o} {:o} {dev} {ino} {names}\n", mode | need);
@@ -210,37 +269,222 @@ fn unhex(word: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// At most this much of a journal is read: a loan's line is under 600 bytes, a tree's loans at
-/// once one a level; a bigger file (planted) is read no further, then emptied.
-const JOURNAL_MAX: u64 = 1 << 20;
+/// At most this much of a lend file is read: a uid a line, a few at once; any member may write
+/// it, so more is not read.
+const LENDERS_MAX: usize = 4096;
 
-/// Restores, last first, every loan journaled in `journal` (held exclusively) on the tree `top`,
-/// then empties it. A line cut short by a crash was never lent (lines are synced before the chmod).
-/// In a group store any member may write the journal: a line is taken only for what a loan can
-/// be (owner read and search bits added, nothing else), on an inode of the tree (no `..`) that is
-/// the restorer's. One of another user's is kept, and said: that user (or root) restores it.
-pub fn restore(journal: &File, top: &Dir) -> io::Result<()> {
+/// The uids the lend file `lend` names as having a journal; anything else in it is passed over.
+fn lenders(lend: &File) -> io::Result<Vec<u32>> {
+    let mut text = vec![0u8; LENDERS_MAX];
     // By offset: the descriptor's position is the lock's business.
-    let len = journal.metadata()?.len().min(JOURNAL_MAX);
-    let mut text = vec![0u8; len as usize];
-    if text.is_empty() {
-        return Ok(());
-    }
-    journal.read_exact_at(&mut text, 0)?;
-    let text = String::from_utf8_lossy(&text);
-    let mut kept: Vec<(&str, u32)> = Vec::new();
-    for line in text.split_terminator('\n').rev() {
-        if let Some(owner) = restore_line(line, top)? {
-            kept.push((line, owner));
+    let n = lend.read_at(&mut text, 0)?;
+    let mut uids: Vec<u32> = Vec::new();
+    for word in String::from_utf8_lossy(&text[..n]).split_terminator('\n') {
+        if let Ok(uid) = word.parse()
+            && !uids.contains(&uid)
+        {
+            uids.push(uid);
         }
     }
-    let left: String = kept.iter().rev().map(|(l, _)| format!("{l}\n")).collect();
-    journal.set_len(0)?;
-    journal.write_all_at(left.as_bytes(), 0)?;
-    journal.sync_data()?;
-    match kept.first() {
+    Ok(uids)
+}
+
+/// Writes `uids` as the lend file's content (held exclusively), synced.
+fn set_lenders(lend: &File, uids: &[u32]) -> io::Result<()> {
+    let text: String = uids.iter().map(|u| format!("{u}\n")).collect();
+    lend.set_len(0)?;
+    lend.write_all_at(text.as_bytes(), 0)?;
+    lend.sync_data()
+}
+
+/// Where `uid`'s journal for the lend file `lend` is: in `UID.loans`, a directory of `uid`'s beside
+/// it (so no part of a group store's layout, which a repair makes group-writable), under the lend
+/// file's name. The directory opened (made if `make`) only if it is `uid`'s and writable by nobody
+/// else; `None` where missing, an error naming it for anything else there.
+fn journal_of(lend: &Path, uid: u32, make: bool) -> io::Result<Option<(Dir, CString)>> {
+    let locks = Dir::open_in_root(lend.parent().unwrap_or(lend))?;
+    let sub = CString::new(format!("{uid}.loans"))?;
+    let shown = lend.with_file_name(OsStr::from_bytes(sub.to_bytes()));
+    let refuse = |why: String| {
+        io::Error::other(format!(
+            "{}: {why}, so it holds no journal of loans: refusing to use it; remove it",
+            shown.display()
+        ))
+    };
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    let open = || locks.open_at(&sub, flags | libc::O_CLOEXEC, 0);
+    let fd = match open() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound && make => {
+            match locks.mkdir(OsStr::from_bytes(sub.to_bytes()), 0o755) {
+                Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+                _ => nix::unistd::fsync(&locks)?,
+            }
+            open()
+        }
+        other => other,
+    };
+    let fd = match fd {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+            return Err(refuse("not a directory".into()));
+        }
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{}: {e}", shown.display()),
+            ));
+        }
+    };
+    let st = dir::fstat(&fd)?;
+    if st.st_uid != uid {
+        return Err(refuse(format!("uid {}'s, not uid {uid}'s", st.st_uid)));
+    }
+    if st.st_mode & 0o022 != 0 {
+        let mode = st.st_mode & 0o7777;
+        return Err(refuse(format!(
+            "mode {mode:o}, writable by others than uid {uid}"
+        )));
+    }
+    let name = CString::new(lend.file_name().unwrap_or_default().as_bytes())?;
+    Ok(Some((Dir::from(fd), name)))
+}
+
+/// `uid`'s journal for the lend file `lend`, as messages name it.
+fn journal_path(lend: &Path, uid: u32) -> PathBuf {
+    let name = lend.file_name().unwrap_or_default();
+    lend.with_file_name(format!("{uid}.loans")).join(name)
+}
+
+/// Opens `uid`'s journal `name` in `dir` (beside the lend file `lend`) with `flags`, only if it is
+/// one: a regular file of `uid` with one name and no group or other write bit, opened without
+/// following a link or blocking on a FIFO. `None` where missing; an error, one line naming it, for
+/// anything else there (planted: never written or followed).
+fn open_journal(
+    dir: &Dir,
+    name: &CString,
+    uid: u32,
+    flags: libc::c_int,
+    lend: &Path,
+) -> io::Result<Option<File>> {
+    let flags = flags | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    let shown = journal_path(lend, uid);
+    let planted = |why: String| {
+        io::Error::other(format!(
+            "{}: {why}, so no journal of loans: refusing to use it; remove it",
+            shown.display()
+        ))
+    };
+    let fd = match dir.open_at(name, flags, 0o644) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(planted("a symlink".into())),
+        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+            return Err(planted("a directory".into()));
+        }
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{}: {e}", shown.display()),
+            ));
+        }
+    };
+    let st = dir::fstat(&fd)?;
+    let why = match crate::planted::kind_of(st.st_mode, st.st_nlink) {
+        Some(kind) => Some(kind.to_owned()),
+        None if st.st_uid != uid => Some(format!("uid {}'s, not uid {uid}'s", st.st_uid)),
+        None if st.st_mode & 0o022 != 0 => Some(format!(
+            "mode {:o}, writable by others than uid {uid}",
+            st.st_mode & 0o7777
+        )),
+        None => None,
+    };
+    match why {
+        Some(why) => Err(planted(why)),
+        None => Ok(Some(File::from(fd))),
+    }
+}
+
+/// A journal's line longer than this is none of a loan (its path from the top, in hex: a tree
+/// 30,000 levels deep of 255-byte names): the journal is reported, not emptied.
+const LINE_MAX: usize = 1 << 26;
+
+/// Calls `each` on every whole line of `journal`, last first, read from its end a block at a
+/// time: a journal of any length (a deep tree's loans each name their path from the top) is read
+/// whole, one line in memory at once. What follows the last newline, cut short by a crash, was
+/// never lent (lines are synced before the chmod).
+fn lines_last_first(
+    journal: &File,
+    mut each: impl FnMut(&str) -> io::Result<()>,
+) -> io::Result<()> {
+    const BLOCK: u64 = 1 << 16;
+    let len = journal.metadata()?.len();
+    let mut end = len;
+    // The line being read, its pieces last first; `None` before the last newline is met.
+    let mut line: Option<Vec<Vec<u8>>> = None;
+    let whole =
+        |pieces: &mut Vec<Vec<u8>>| -> Vec<u8> { pieces.drain(..).rev().flatten().collect() };
+    while end > 0 {
+        let start = end.saturating_sub(BLOCK);
+        let mut block = vec![0u8; (end - start) as usize];
+        journal.read_exact_at(&mut block, start)?;
+        end = start;
+        let mut rest = &block[..];
+        while let Some(nl) = rest.iter().rposition(|b| *b == b'\n') {
+            if let Some(pieces) = &mut line {
+                pieces.push(rest[nl + 1..].to_vec());
+                each(&String::from_utf8_lossy(&whole(pieces)))?;
+            }
+            line.get_or_insert_with(Vec::new);
+            rest = &rest[..nl];
+        }
+        let unended = match &mut line {
+            Some(pieces) => {
+                pieces.push(rest.to_vec());
+                pieces.iter().map(Vec::len).sum::<usize>()
+            }
+            None => (len - end) as usize,
+        };
+        if unended > LINE_MAX {
+            return Err(io::Error::other(format!(
+                "a line of over {LINE_MAX} bytes, no loan's: it is kept; remove it"
+            )));
+        }
+    }
+    match &mut line {
+        Some(pieces) => each(&String::from_utf8_lossy(&whole(pieces))),
         None => Ok(()),
-        Some((_, uid)) => Err(io::Error::new(
+    }
+}
+
+/// Restores, last first, every loan journaled for the tree `top` by a lender the lend file
+/// `lend` (at `path`, held exclusively) names: each journal of ours (or any, for root) is emptied
+/// once its loans are back, and its uid goes from the lend file. A line is taken only for what a
+/// loan can be (owner read and search bits added, nothing else) on an inode of the tree (no `..`)
+/// owned by the journal's owner, who alone can have lent it. Another user's journal is kept, and
+/// said: that user (or root) restores it.
+pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
+    if lend.metadata()?.len() == 0 {
+        return Ok(());
+    }
+    let (mut left, mut refused) = (Vec::new(), None);
+    for uid in lenders(lend)? {
+        match restore_journal(path, uid, top) {
+            Ok(false) => {}
+            Ok(true) => left.push(uid),
+            Err(e) => {
+                left.push(uid);
+                refused.get_or_insert(e);
+            }
+        }
+    }
+    set_lenders(lend, &left)?;
+    if let Some(e) = refused {
+        return Err(e);
+    }
+    match left.first() {
+        None => Ok(()),
+        Some(uid) => Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
                 "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('stowage doctor --repair')"
@@ -249,12 +493,39 @@ pub fn restore(journal: &File, top: &Dir) -> io::Result<()> {
     }
 }
 
-/// Puts back the loan journaled in `line` where it is one (see [`restore`]); `Some(owner)` where the
-/// inode is another user's, so not ours to set.
-fn restore_line(line: &str, top: &Dir) -> io::Result<Option<u32>> {
+/// Restores `uid`'s journal for the lend file at `path` on the tree `top` where it is ours to (ours,
+/// or we are root): whether loans are left in it (another's).
+fn restore_journal(path: &Path, uid: u32, top: &Dir) -> io::Result<bool> {
+    let me = nix::unistd::geteuid().as_raw();
+    let ours = me == 0 || me == uid;
+    let Some((dir, name)) = journal_of(path, uid, false)? else {
+        return Ok(false);
+    };
+    let flags = if ours { libc::O_RDWR } else { libc::O_RDONLY };
+    let Some(journal) = open_journal(&dir, &name, uid, flags, path)? else {
+        return Ok(false);
+    };
+    if !ours {
+        return Ok(journal.metadata()?.len() > 0);
+    }
+    let shown = journal_path(path, uid);
+    empty_journal(&journal, uid, top)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", shown.display())))?;
+    Ok(false)
+}
+
+/// Puts back every loan of `uid`'s journal on the tree `top`, last first, then empties it.
+fn empty_journal(journal: &File, uid: u32, top: &Dir) -> io::Result<()> {
+    lines_last_first(journal, |line| restore_line(line, top, uid))?;
+    journal.set_len(0)?;
+    journal.sync_data()
+}
+
+/// Puts back the loan journaled in `line` of `owner`'s journal where it is one (see [`restore`]).
+fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
     let w: Vec<&str> = line.split(' ').collect();
     let [was, lent, dev, ino, names] = w[..] else {
-        return Ok(None);
+        return Ok(());
     };
     let num = |s: &str, radix| u64::from_str_radix(s, radix).ok();
     let (Some(was), Some(lent), Some(dev), Some(ino), Some(names)) = (
@@ -264,42 +535,51 @@ fn restore_line(line: &str, top: &Dir) -> io::Result<Option<u32>> {
         num(ino, 10),
         unhex(names),
     ) else {
-        return Ok(None);
+        return Ok(());
     };
     // A loan adds owner read (and search) bits, and nothing else.
     let added = lent & !was;
     if lent > 0o7777 || was & !lent != 0 || added == 0 || added & !0o500 != 0 {
-        return Ok(None);
+        return Ok(());
     }
     let inside = |n: &[u8]| !n.is_empty() && n != b"." && n != b"..";
     if !names.split(|b| *b == b'/').all(inside) {
-        return Ok(None);
+        return Ok(());
     }
     let Ok(fd) = open_journaled(top, &names) else {
-        return Ok(None);
+        return Ok(());
     };
     let st = dir::fstat(&fd)?;
-    // Another inode at that name now, or a mode changed since by a writer: not ours to set.
-    if (st.st_dev, st.st_ino) != (dev, ino) || u64::from(st.st_mode & 0o7777) != lent {
-        return Ok(None);
+    // Another inode at that name now, a mode changed since by a writer, or an inode its journal's
+    // owner could not have lent: not ours to set.
+    if (st.st_dev, st.st_ino) != (dev, ino)
+        || u64::from(st.st_mode & 0o7777) != lent
+        || st.st_uid != owner
+    {
+        return Ok(());
     }
-    let me = nix::unistd::geteuid().as_raw();
-    if st.st_uid != me && me != 0 {
-        return Ok(Some(st.st_uid));
-    }
-    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t)?;
-    Ok(None)
+    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t)
 }
 
-/// Restores what a killed lender left journaled in the lend file at `path` on the tree `top`, if no
-/// copy holds its lock now: whether it did.
-pub fn restore_left(path: &std::path::Path, top: &Dir) -> io::Result<bool> {
+/// Restores what a killed lender left journaled for the lend file at `path` on the tree `top`, if
+/// no copy holds its lock now: whether it did.
+pub fn restore_left(path: &Path, top: &Dir) -> io::Result<bool> {
     match lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Fail)? {
-        Some(g) => restore(g.file(), top).map(|()| true),
+        Some(g) => restore(g.file(), path, top).map(|()| true),
         None => Ok(false),
     }
 }
 
+/// Ends the loans of a removed image: the journals its lend file `lend` (at `path`, held
+/// exclusively) names are unlinked where we may, and the file emptied. Whether it is.
+pub fn forget(lend: &File, path: &Path) -> bool {
+    for uid in lenders(lend).unwrap_or_default() {
+        if let Ok(Some((dir, name))) = journal_of(path, uid, false) {
+            let _ = dir.unlink(OsStr::from_bytes(name.to_bytes()));
+        }
+    }
+    lend.set_len(0).is_ok()
+}
 /// An `O_PATH` descriptor of the entry at `names` (joined by `/`) below `top`, no symlink followed.
 fn open_journaled(top: &Dir, names: &[u8]) -> io::Result<OwnedFd> {
     let mut parts: Vec<&[u8]> = names.split(|b| *b == b'/').collect();

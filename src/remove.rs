@@ -390,7 +390,17 @@ pub fn empty_image_dir(
             "cannot empty {shown}: it is a mount point; unmount it first (nothing is deleted across a mount)"
         );
     }
-    drop(top);
+    // Empty already (a new image): nothing to look at or lend.
+    if top.names().is_ok_and(|n| n.is_empty()) {
+        return Ok(());
+    }
+    // What cannot be deleted is found before anything is: a refusal then leaves the image as it
+    // was (its state and base too) instead of emptied in part.
+    if nix::unistd::geteuid().as_raw() != 0 {
+        let at = images_dir.join(name.encoded());
+        let none = |e| anyhow::anyhow!("cannot empty {shown}: {e}; nothing was deleted");
+        crate::disk_usage::walk_dir(top, &at, &mut refuses_deletion).map_err(none)?;
+    }
     // A top its owner left without owner access (an image's `/` of mode 555) is lent it while
     // emptied, as for a removal's move; its mode is given back whatever happens.
     let lent = images.lend_owner(name.encoded(), 0o700);
@@ -399,6 +409,30 @@ pub fn empty_image_dir(
         lent.give_back();
     }
     emptied
+}
+
+/// Refuses an entry of a tree to empty that we may not delete in, as known before deleting: a
+/// directory another user's that keeps us from listing or changing it (only its owner or root can
+/// empty it). One of ours is lent owner access by the emptying, so it is no refusal.
+fn refuses_deletion(parent: &Dir, name: &std::ffi::CStr, st: &libc::stat) -> std::io::Result<()> {
+    use nix::unistd::{AccessFlags, faccessat};
+    let me = nix::unistd::geteuid().as_raw();
+    if crate::dir::file_type(st) != libc::S_IFDIR || st.st_uid == me {
+        return Ok(());
+    }
+    let need = AccessFlags::R_OK | AccessFlags::W_OK | AccessFlags::X_OK;
+    let flags = nix::fcntl::AtFlags::AT_EACCESS | nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW;
+    match faccessat(parent, name, need, flags) {
+        Err(nix::errno::Errno::EACCES) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "a directory of uid {}'s (mode {:03o}): only that user or root can empty or move it",
+                st.st_uid,
+                st.st_mode & 0o7777
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// [`empty_image_dir`], its top's mode as it is.

@@ -421,7 +421,8 @@ impl Root {
         let left = self.unlink_lock(guard).err();
         self.unlink_gate(name);
         // Its tree is gone, and with it what a killed copy left lent.
-        self.unlink_if_free(&self.image_lend(name), |f| f.set_len(0).is_ok());
+        let lend = self.image_lend(name);
+        self.unlink_if_free(&lend, |f| crate::loan::forget(f, &lend));
         Ok(left.map(|e| format!("{e:#}")))
     }
 

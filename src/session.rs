@@ -408,6 +408,15 @@ impl Session {
                 src.display()
             );
         }
+        // Held until the copy ends: no other copy of the base lends meanwhile, or lends alone.
+        // Taken before the image is emptied: a refusal (a lend file planted, loans another user
+        // left) leaves it as it was.
+        let ctx = store.ctx();
+        let shown = (!ctx.quiet).then(|| format!("'{base}'"));
+        let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s, shown)
+            .with_context(|| format!("image '{base}'"))
+            .with_context(cannot)?;
+        may_make_ours(&images, target, &dst).with_context(cannot)?;
         let mut removed = 0;
         let emptied = crate::remove::empty_image_dir(&images, images_dir, target, &mut removed);
         *changed = removed > 0;
@@ -427,17 +436,11 @@ impl Session {
             );
         }
         let t0 = Instant::now();
-        let ctx = store.ctx();
         let show = std::io::stderr().is_terminal() && !ctx.quiet;
         let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
         make_ours(&images, target, &dst, changed).with_context(cannot)?;
         let d = (images.sub(target.encoded()))
             .with_context(|| format!("cannot open {}", dst.display()))
-            .with_context(cannot)?;
-        // Held until the copy ends: no other copy of the base lends meanwhile, or lends alone.
-        let shown = (!ctx.quiet).then(|| format!("'{base}'"));
-        let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s, shown)
-            .with_context(|| format!("image '{base}'"))
             .with_context(cannot)?;
         let done = crate::clone::copy_tree_at((s, &src), (d, &dst), &mut loans, &mut bar, changed);
         drop(loans);
@@ -878,7 +881,7 @@ fn take_back_loans(root: &Root, held: &Held, images: Option<&Dir>) {
     if lend.file().metadata().is_ok_and(|m| m.len() > 0)
         && let Some(tree) = images.and_then(|d| d.sub(held.name.encoded()).ok())
     {
-        let _ = crate::loan::restore(lend.file(), &tree);
+        let _ = crate::loan::restore(lend.file(), &path, &tree);
     }
 }
 
@@ -1142,6 +1145,31 @@ impl Drop for Session {
     fn drop(&mut self) {
         self.release();
     }
+}
+
+/// Refuses, before anything is emptied, a top of another user's that [`make_ours`] could not
+/// replace: the images directory must let us delete in it (write and search; if sticky, ours).
+fn may_make_ours(images: &Dir, target: &ImageName, dst: &Path) -> Result<()> {
+    use nix::unistd::{AccessFlags, faccessat};
+    let me = nix::unistd::geteuid().as_raw();
+    let Ok(Some(st)) = images.stat_at(target.encoded()) else {
+        return Ok(());
+    };
+    if !st.is_dir() || st.uid == me || me == 0 {
+        return Ok(());
+    }
+    let here = images.stat()?;
+    let flags = nix::fcntl::AtFlags::AT_EACCESS;
+    let writable = faccessat(images, ".", AccessFlags::W_OK | AccessFlags::X_OK, flags).is_ok();
+    if writable && (here.mode & libc::S_ISVTX == 0 || here.uid == me) {
+        return Ok(());
+    }
+    let (mode, owner) = (here.mode & 0o7777, here.uid);
+    anyhow::bail!(
+        "cannot make {} anew: it is uid {}'s, and its images directory (mode {mode:o}) lets only that user, uid {owner} or root replace it",
+        dst.display(),
+        st.uid
+    )
 }
 
 /// Replaces the emptied tree of `target` by one of ours if another user made it (a group store): a

@@ -680,9 +680,18 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         format!("restored the modes a killed copy of {names} left lent")
     });
     report.repairable |= !left.is_empty();
+    let (refused, left): (Vec<_>, Vec<_>) = left.into_iter().partition(|(_, why)| why.is_some());
+    let left: Vec<String> = left.into_iter().map(|(name, _)| name).collect();
     report.naming("loans", Problem, &left, |names| {
         format!("the trees of {names} keep modes a killed copy lent (its owner's read or search bits): the next copy of each, 'stowage gc' or 'stowage doctor --repair' restores them")
     });
+    // Tried and refused: the reason names who must act instead (another user's loans).
+    for (name, why) in refused {
+        let why = why.unwrap_or_default();
+        report.naming("loans", Problem, &[name], |name| {
+            format!("the tree of {name} keeps modes a killed copy lent: {why}")
+        });
+    }
     // Incomplete images: those whose writer failed or died, and those adopted.
     let (adopted, failed): (Vec<&Record>, Vec<_>) = entries
         .iter()

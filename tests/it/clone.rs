@@ -625,9 +625,9 @@ fn a_base_tree_one_may_not_open_is_refused_before_the_copy() {
 
 /// An image whose top its owner left read-only (mode 555) is rebuilt from a
 /// base by that owner: emptied with owner write lent to its top, as `rm`
-/// moves it. Another user's such image cannot be emptied: the copy fails at
-/// its first deletion, naming the directory's owner, and the image is left
-/// as it was (ready, its tree and base), not incomplete for gc to delete.
+/// moves it. Another user's such image cannot be emptied: the copy fails
+/// before deleting anything, naming the directory's owner, and the image is
+/// left as it was (ready, its tree and base), not incomplete for gc to delete.
 #[test]
 fn a_read_only_image_top_is_rebuilt_by_its_owner_and_left_as_it_was_by_others() {
     if !root_or_skip("an image top another user owns") {
@@ -664,10 +664,7 @@ fn a_read_only_image_top_is_rebuilt_by_its_owner_and_left_as_it_was_by_others() 
     let out = rebuild("theirs");
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     let err = stderr(&out);
-    assert!(
-        err.contains("theirs/content") && err.contains("uid 0's"),
-        "{err}"
-    );
+    assert!(err.contains("theirs") && err.contains("uid 0's"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert_eq!(fs::read_to_string(theirs.join("content")).unwrap(), "OLD\n");
     let mode = fs::metadata(&theirs).unwrap().permissions().mode() & 0o7777;
@@ -1514,4 +1511,111 @@ fn an_entry_swapped_mid_copy_leaves_a_file_outside_as_it_was() {
             assert_eq!(env.state("cp").as_deref(), Some("incomplete"), "{case}");
         }
     }
+}
+
+/// Rebuilding an image from a base whose lend file cannot be locked (a
+/// FIFO planted there) is refused before anything of the image is deleted:
+/// its files, state and base are as they were. Before, the image was
+/// emptied first and left `incomplete`.
+#[test]
+fn a_rebuild_refused_by_the_bases_lend_file_leaves_the_image_as_it_was() {
+    let env = Env::new();
+    env.build("base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    env.build("app", "echo precious > \"$STOWAGE_IMAGE_DIR/p\"");
+    let lend = env.root.join("locks/images/base.lend");
+    let _ = fs::remove_file(&lend);
+    Plant::Fifo.at(&lend, env.tmp.path());
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", show(&out));
+    assert!(stderr(&out).contains("FIFO"), "{}", show(&out));
+    assert_eq!(env.read_in_image("app", "p"), "precious\n");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(env.image("app").unwrap()["base"].is_null());
+}
+
+/// The name of each level of [`deep_000_tree`]: 250 bytes.
+fn deep_name() -> String {
+    "n".repeat(250)
+}
+
+/// Makes under `top` a chain of 100 directories named [`deep_name`] (a path
+/// past PATH_MAX, so by descriptor) holding a file `f`, all `uid`'s, the
+/// directories mode 000.
+fn deep_000_tree(top: &Path, uid: u32) {
+    use nix::fcntl::{OFlag, open, openat};
+    use nix::sys::stat::{Mode, fchmod, mkdirat};
+    let dir = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+    let mut levels = vec![open(top, dir, Mode::empty()).unwrap()];
+    let owner = |fd: &std::os::fd::OwnedFd| {
+        let id = Some(nix::unistd::Uid::from_raw(uid));
+        nix::unistd::fchown(fd, id, Some(nix::unistd::Gid::from_raw(uid))).unwrap()
+    };
+    for _ in 0..100 {
+        let up = levels.last().unwrap();
+        mkdirat(up, deep_name().as_str(), Mode::from_bits_truncate(0o755)).unwrap();
+        let sub = openat(up, deep_name().as_str(), dir, Mode::empty()).unwrap();
+        owner(&sub);
+        levels.push(sub);
+    }
+    let create = OFlag::O_WRONLY | OFlag::O_CREAT;
+    let f = openat(
+        levels.last().unwrap(),
+        "f",
+        create,
+        Mode::from_bits_truncate(0o644),
+    )
+    .unwrap();
+    owner(&f);
+    for level in &levels[1..] {
+        fchmod(level, Mode::empty()).unwrap();
+    }
+}
+
+/// The modes of the levels of [`deep_000_tree`] under `top`, top first.
+fn deep_modes(top: &Path) -> Vec<u32> {
+    use nix::fcntl::{AtFlags, OFlag, open, openat};
+    use nix::sys::stat::{Mode, fstatat};
+    let dir = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+    let mut here = open(top, dir, Mode::empty()).unwrap();
+    let mut modes = Vec::new();
+    for _ in 0..100 {
+        let st = fstatat(&here, deep_name().as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).unwrap();
+        modes.push(st.st_mode & 0o7777);
+        here = openat(&here, deep_name().as_str(), dir, Mode::empty()).unwrap();
+    }
+    modes
+}
+
+/// A copy by its owner killed while every level of a base 100 deep, each
+/// named by 250 bytes and of mode 000, is lent: its journal holds over
+/// 2 MiB (each line names its path from the top), and doctor --repair
+/// reads it whole: every level gets its mode back. Before, the journal was
+/// read to 1 MiB and emptied: 35 levels kept the lent mode, and doctor
+/// said nothing more of it.
+#[test]
+fn a_journal_of_loans_over_a_mebibyte_is_restored_whole() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "base", "true");
+    let base = env.images_dir().join("base");
+    deep_000_tree(&base, 65534);
+    assert_eq!(deep_modes(&base), vec![0; 100]);
+    let pause = env.tmp.path().join("k-paused");
+    let args = ["exec", "--write", "k", "--from", "base", "--", "true"];
+    let k = unprivileged_bg(&env, &args, Some(("clone-copying", &pause))).unwrap();
+    wait_for_file(&pause);
+    k.kill_all();
+    assert_eq!(deep_modes(&base), vec![0o500; 100], "all lent");
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert!(
+        stdout(&out).contains("restored the modes"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(deep_modes(&base), vec![0; 100]);
+    let out = unprivileged(&env, &["doctor"]);
+    assert!(!stdout(&out).contains("loans"), "{}", show(&out));
 }

@@ -1760,3 +1760,289 @@ fn doctor_leaves_the_private_top_of_a_copy_under_way_alone() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     assert_eq!(fs::metadata(&top).unwrap().mode() & 0o7777, base_mode);
 }
+
+/// The names in image `name`'s tree, sorted.
+fn names_in(env: &Env, name: &str) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(env.root.join("img").join(name))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Rebuilding an image from a base, by its owner, when a directory in it
+/// that another member made keeps the owner from emptying it (mode 555,
+/// not empty): refused before anything is deleted, naming the directory
+/// and its owner; the image keeps its files, state and base. Before, the
+/// image was emptied up to that directory and left `incomplete`.
+#[test]
+fn a_rebuild_refused_by_a_members_directory_leaves_the_image_as_it_was() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    builds_as(
+        &env,
+        1001,
+        "app",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir pub && chmod 777 pub && for i in 1 2 3 4 5 6; do echo $i > a$i; done",
+    );
+    let bd = env.root.join("img/app/pub/bd");
+    fs::create_dir(&bd).unwrap();
+    fs::write(bd.join("f"), "f").unwrap();
+    for p in [bd.join("f"), bd.clone()] {
+        std::os::unix::fs::chown(&p, Some(65534), Some(GID)).unwrap();
+    }
+    fs::set_permissions(&bd, fs::Permissions::from_mode(0o555)).unwrap();
+    let before = names_in(&env, "app");
+    let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &rebuild);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("pub/bd")
+            && said.contains("uid 65534")
+            && said.contains("nothing was deleted"),
+        "{said}"
+    );
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert_eq!(names_in(&env, "app"), before);
+    assert!(bd.join("f").exists());
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(env.image("app").unwrap()["base"].is_null());
+}
+
+/// The mode of `p`'s permission bits (a group store's directories are setgid besides).
+fn mode_of(p: &Path) -> u32 {
+    fs::symlink_metadata(p).unwrap().mode() & 0o777
+}
+
+/// A base of uid 1001's holding `etc` (mode 755), and its lend file made by
+/// a copy: what every member may write.
+fn base_with_lend_file(env: &Env) -> (std::path::PathBuf, std::path::PathBuf) {
+    builds_as(
+        env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir etc && chmod 755 etc && echo x > etc/passwd",
+    );
+    let out = as_uid(
+        env,
+        1001,
+        &["exec", "--write", "c0", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let lend = env.root.join("locks/images/base.lend");
+    assert!(lend.exists());
+    (env.root.join("img/base/etc"), lend)
+}
+
+/// A loan's journal line for `p` (named `rel` from the base's top) that
+/// says it lacked the owner bits `taken` before they were lent.
+fn loan_line(p: &Path, rel: &str, taken: u32) -> String {
+    let m = fs::symlink_metadata(p).unwrap();
+    let hex: String = rel.bytes().map(|b| format!("{b:02x}")).collect();
+    let lent = m.mode() & 0o7777;
+    let was = lent & !taken;
+    format!("{was:o} {lent:o} {} {} {hex}\n", m.dev(), m.ino())
+}
+
+/// A member writes, in the base's lend file every member may write, a
+/// loan that never happened: "`etc` was 255 before its owner bits were
+/// lent". Neither the owner's next copy, nor the owner's gc, nor root's
+/// doctor --repair takes owner bits from the base for it: a loan is
+/// journaled by its lender, in a file only it can write. Before, each of
+/// them set `etc` to mode 255.
+#[test]
+fn a_members_line_in_a_lend_file_takes_no_owner_bits_from_a_base() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let (etc, lend) = base_with_lend_file(&env);
+    let copy = ["exec", "--write", "c1", "--from", "base", "--", "true"];
+    let runs: [(u32, &[&str]); 3] = [(1001, &copy), (0, &["doctor", "--repair"]), (1001, &["gc"])];
+    for (uid, args) in runs {
+        fs::write(&lend, loan_line(&etc, "etc", 0o500)).unwrap();
+        let out = match uid {
+            0 => env.run(args),
+            uid => as_uid(&env, uid, args),
+        };
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert_eq!(mode_of(&etc), 0o755, "after {args:?} as uid {uid}");
+    }
+    let out = as_uid(&env, 1001, &copy);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(mode_of(&env.root.join("img/c1/etc")), 0o755);
+}
+
+/// What is planted where uid 1001's journal of loans goes — a FIFO, a
+/// symlink, a directory, a file of another member's or one others may
+/// write, or in place of 1001's directory of journals a symlink or another
+/// member's directory — is never followed or written: the copy that would
+/// restore from it is refused in one line naming it, and neither the base
+/// nor what a link leads to changes.
+#[test]
+fn a_journal_of_loans_planted_for_a_lender_is_refused_not_followed() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let (etc, lend) = base_with_lend_file(&env);
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    let fake = loan_line(&etc, "etc", 0o500);
+    fs::write(outside.join("base.lend"), &fake).unwrap();
+    let loans = env.root.join("locks/images/1001.loans");
+    let journal = loans.join("base.lend");
+    let own = |p: &Path, uid: u32, mode: u32| {
+        std::os::unix::fs::chown(p, Some(uid), Some(GID)).unwrap();
+        fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+    };
+    for case in [
+        "fifo",
+        "symlink",
+        "dir",
+        "theirs",
+        "group-writable",
+        "dir-link",
+        "their-dir",
+    ] {
+        let _ = fs::remove_dir_all(&loans).or_else(|_| fs::remove_file(&loans));
+        match case {
+            "dir-link" => std::os::unix::fs::symlink(&outside, &loans).unwrap(),
+            "their-dir" => {
+                fs::create_dir(&loans).unwrap();
+                fs::write(&journal, &fake).unwrap();
+                own(&journal, 65534, 0o644);
+                own(&loans, 65534, 0o755);
+            }
+            _ => {
+                fs::create_dir(&loans).unwrap();
+                match case {
+                    "fifo" => Plant::Fifo.at(&journal, &outside),
+                    "symlink" => Plant::Symlink.at(&journal, &outside.join("base.lend")),
+                    "dir" => Plant::Dir.at(&journal, &outside),
+                    _ => fs::write(&journal, &fake).unwrap(),
+                }
+                match case {
+                    "theirs" => own(&journal, 65534, 0o644),
+                    "group-writable" => own(&journal, 1001, 0o664),
+                    _ => {}
+                }
+                own(&loans, 1001, 0o755);
+            }
+        }
+        fs::write(&lend, "1001\n").unwrap();
+        let copy = ["exec", "--write", "c1", "--from", "base", "--", "true"];
+        let (code, said) = said_by(&env, 1001, &copy);
+        assert_eq!(code, Some(1), "{case}: {said}");
+        assert_eq!(said.lines().count(), 1, "{case}: {said}");
+        assert!(said.contains("1001.loans"), "{case}: {said}");
+        assert_eq!(mode_of(&etc), 0o755, "{case}");
+        assert_eq!(
+            fs::read_to_string(outside.join("base.lend")).unwrap(),
+            fake,
+            "{case}"
+        );
+    }
+}
+
+/// A lend file another member made that uid 1001 may not write (mode 644,
+/// as flock(1) under a 022 umask makes one): the copy's one line names the
+/// file, its mode, its owner and the fix. Before: "Permission denied".
+#[test]
+fn a_lend_file_a_member_made_unwritable_is_named_with_its_owner_and_fix() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    let lend = env.root.join("locks/images/base.lend");
+    fs::write(&lend, "").unwrap();
+    std::os::unix::fs::chown(&lend, Some(65534), Some(GID)).unwrap();
+    fs::set_permissions(&lend, fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, said) = said_by(
+        &env,
+        1001,
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code, Some(1), "{said}");
+    assert_eq!(said.lines().count(), 1, "{said}");
+    for part in ["base.lend", "644", "uid 65534", "doctor --repair"] {
+        assert!(said.contains(part), "{part}: {said}");
+    }
+}
+
+/// A copy by uid 1001 killed while it has a directory of the base lent:
+/// another member's doctor --repair cannot put the mode back, and says
+/// which uid must (1001, or root); root's does. Before, it advised
+/// 'stowage doctor --repair', what was just run.
+#[test]
+fn doctor_repair_names_who_must_restore_another_members_loans() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let pauses = env.tmp.path().join("pauses");
+    fs::create_dir(&pauses).unwrap();
+    fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
+    let file = pauses.join("paused");
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=1001", "--regid=100", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--write", "k", "--from", "base", "--", "true"])
+        .env(
+            stowage::env::DEBUG_PAUSE,
+            format!("clone-copying:{}", file.display()),
+        )
+        .env_remove("STOWAGE_ROOT");
+    let bg = Bg::from_command(c);
+    wait_for_file(&file);
+    bg.kill_all();
+    assert_eq!(mode_of(&a), 0o500, "lent");
+    let (code, said) = said_by(&env, 65534, &["doctor", "--repair"]);
+    assert_eq!(code, Some(1), "{said}");
+    let line = said
+        .lines()
+        .find(|l| l.contains("loans"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("uid 1001") && line.contains("only that user or root"),
+        "{said}"
+    );
+    assert_eq!(mode_of(&a), 0o500);
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(mode_of(&a), 0o000, "after root's repair");
+}
+
+/// Rebuilding from a base another member's image that the images
+/// directory (sticky, root's) does not let the caller replace: refused
+/// before anything is deleted, and the image keeps its files, state and
+/// base. Before, it was emptied, then its top could not be replaced, and
+/// it was left empty and `incomplete`.
+#[test]
+fn a_rebuild_of_a_members_image_the_images_directory_keeps_is_refused_first() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    member_builds(&env, "app", "echo a > \"$STOWAGE_IMAGE_DIR/a\"");
+    let img = env.root.join("img");
+    let mode = fs::metadata(&img).unwrap().mode() & 0o7777;
+    fs::set_permissions(&img, fs::Permissions::from_mode(mode | 0o1000)).unwrap();
+    let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &rebuild);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("uid 65534") && said.contains("lets only that user, uid 0 or root"),
+        "{said}"
+    );
+    assert_eq!(names_in(&env, "app"), ["a"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
