@@ -118,7 +118,15 @@ fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<S
 /// the descriptor is what the trees are then made or removed through.
 pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
     let config = config(root)?;
-    confirmed_as(root, &config, dir, opened)
+    let images = confirmed_as(root, &config, dir, opened)?;
+    // Asked where trees are removed, copied or written, not where a new one is made (the cost of
+    // every new image's write; a tree made there is one the original may adopt, nothing lost).
+    if dir == root.default_images_dir()
+        && let Some(why) = the_originals(root, &config, &images, dir)
+    {
+        anyhow::bail!("{why}");
+    }
+    Ok(images)
 }
 
 /// [`confirmed`] by the store's configuration `config`, already read.
@@ -574,6 +582,19 @@ pub fn unmounted_at(root: &Root, images: &Dir, dir: &Path) -> Option<String> {
 pub fn refused_for_new(root: &Root, config: &Config, images: &Dir, dir: &Path) -> Option<String> {
     let why = not_the_recorded(config, images, dir)?;
     (config.images != ImagesDir::Default || !moved(root, config)).then_some(why)
+}
+
+/// Why the default images directory `images` is not this root's, though the one recorded: the root is
+/// not the one recorded (a copy of the store), and the original, still at its path, claims it
+/// (mounted here). A store moved whole keeps it: its original is gone.
+fn the_originals(root: &Root, config: &Config, images: &Dir, dir: &Path) -> Option<String> {
+    let here = root.identity().ok()?;
+    if crate::dir::same_identity(config.root.as_deref()?, &here) {
+        return None;
+    }
+    let claim = crate::claim::read_fd(images).ok()??;
+    claim.root_there()?;
+    crate::claim::refusal_by(&claim, dir, &config.id, &here)
 }
 
 fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String> {

@@ -850,12 +850,20 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>,
     let what = match images.stat_at(held.name.encoded()) {
         Ok(Some(e)) if e.is_symlink() => "a symlink",
         Ok(Some(e)) if !e.is_dir() => "not a directory",
+        // The tree there or not, the directory must be the store's: another mounted in its place
+        // would have the command write (or a copy empty) a tree of its own.
         Ok(None) => {
             crate::images_dir::of_record(root, r)?;
             let confirmed = crate::images_dir::confirmed(root, &dir, Ok(images));
             let images = confirmed.map_err(|e| cannot(format!("{e:#}")))?;
             let made = make_tree(&images, &dir, &held.name)?;
             return Ok((made, Some(dir), Some(images)));
+        }
+        // (An external one was checked by its claim finding it, `for_command`.)
+        _ if dir == root.default_images_dir() => {
+            let confirmed = crate::images_dir::confirmed(root, &dir, Ok(images));
+            let images = confirmed.map_err(|e| cannot(format!("{e:#}")))?;
+            return Ok((false, Some(dir), Some(images)));
         }
         _ => return Ok((false, Some(dir), Some(images))),
     };

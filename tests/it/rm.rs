@@ -868,7 +868,8 @@ fn a_record_naming_another_images_directory_is_dropped_by_rm_alone() {
 /// Another directory mounted on the default images directory's place (or
 /// the store's own unmounted, or another store's images bind-mounted there)
 /// holds no tree of this store: rm, gc (also when the mount comes while it
-/// runs) and a rebuild `--from` delete nothing there and drop no record.
+/// runs) and a rebuild `--from` delete nothing there and drop no record; a
+/// write of an image the directory there holds is refused too.
 /// Before, each checked only an external images directory: rm and gc
 /// deleted the other directory's same-named trees and dropped the records,
 /// leaving the real trees without them.
@@ -896,6 +897,7 @@ fn nothing_is_deleted_from_a_directory_mounted_on_the_images_directory() {
         env.run(["rm", "app"]),
         env.run(["gc", "--max-size", "0"]),
         env.run(["exec", "--write", "app", "--from", "base", "--", "true"]),
+        env.run(["exec", "--write", "app", "--", "touch", "-c", "x"]),
     ];
     drop(mount);
     for out in &runs {

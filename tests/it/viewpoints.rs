@@ -1047,3 +1047,65 @@ fn a_missing_images_directory_is_not_made_anew() {
     env.ok(["exec", "--write", "new", "--", "true"]);
     env.ok(["rm", "app"]);
 }
+
+/// A copy of a store (`cp -a`) with the original's images directory mounted
+/// on its `img` (the original still at its path, claiming it) removes,
+/// empties and rewrites nothing there: rm, gc and a rebuild `--from` are
+/// refused, naming the original; so is a write of an image another
+/// directory mounted on `img` already holds. Before, the copy took the
+/// original's directory for its own (a copied root passed as moved), and a
+/// write of an existing image never asked whose directory it was in.
+#[test]
+fn a_copy_of_a_store_touches_nothing_of_the_originals_images_mounted_on_it() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let env = Env::new();
+    for name in ["x", "ok"] {
+        env.make_image(name);
+    }
+    fs::write(env.root.join("img/x/f"), "data").unwrap();
+    let copy = env.tmp.path().join("copy");
+    cp_a(&env.root, &copy);
+    let img = copy.join("img");
+    let Some(mount) = Mount::at(&["--bind", env.root.join("img").to_str().unwrap()], &img) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let run = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(&copy).args(args);
+        output(c)
+    };
+    let runs = [
+        run(&["rm", "x"]),
+        run(&["gc", "--max-size", "0"]),
+        run(&["exec", "--write", "x", "--from", "ok", "--", "true"]),
+        run(&[
+            "exec",
+            "--write",
+            "x",
+            "--",
+            "sh",
+            "-c",
+            "echo new > \"$STOWAGE_IMAGE_DIR/g\"",
+        ]),
+    ];
+    drop(mount);
+    for out in &runs {
+        assert_ne!(code(out), Some(0), "{}", show(out));
+        let said = format!("{}{}", stdout(out), stderr(out));
+        assert!(said.contains("belongs to the store at"), "{}", show(out));
+    }
+    assert_eq!(
+        fs::read_to_string(env.root.join("img/x/f")).unwrap(),
+        "data"
+    );
+    assert!(!env.root.join("img/x/g").exists());
+    for name in ["x", "ok"] {
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name}");
+    }
+    // The copy's own images directory, back in place, is its own.
+    let out = run(&["exec", "--write", "x", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
