@@ -172,8 +172,8 @@ pub(crate) fn take(
     if let Ok(got) = try_now(root, class, priority, &dir)? {
         return Ok(got);
     }
-    if no_wait {
-        return Err(Busy::now(what, holders).into());
+    if let Some(why) = refused(no_wait, &enclosing, &holders) {
+        return Err(Busy::now(what, why).into());
     }
     let reread: crate::wait_line::Reread = {
         let (root, class) = (root.clone(), class.to_owned());
@@ -190,6 +190,22 @@ pub(crate) fn take(
         None if ours_now() => under_enclosing(),
         None => Ok(None),
     }
+}
+
+/// Why a wait for a full class is refused, if it is: none was asked for (`--no-wait`), or an
+/// enclosing command holds an image. Slots come before images: the slot's holder may be waiting
+/// for that image, a cycle nobody would end.
+fn refused(no_wait: bool, enclosing: &crate::nested::Enclosing, holders: &str) -> Option<String> {
+    if no_wait {
+        return Some(holders.to_owned());
+    }
+    let image = enclosing.holds.iter().find_map(|h| {
+        let enc = h.lockfile.strip_prefix("images/")?.strip_suffix(".lock")?;
+        crate::name::ImageName::from_encoded(enc).ok()
+    })?;
+    Some(format!(
+        "{holders}; not waited for: an enclosing command holds image '{image}'"
+    ))
 }
 
 /// A slot if one is free now (`Ok(Ok(_))`), else the class's files to wait on, with the limits they

@@ -1333,3 +1333,41 @@ i=0; while [ ! -e '{other}' ] && [ $i -lt 500 ]; do sleep 0.02; i=$((i+1)); done
     assert_eq!(fs::read_to_string(&result).unwrap().trim(), "75");
     outer.kill_all();
 }
+
+/// A nested `exec --slot` whose enclosing command holds an image refuses
+/// (75) at once when the class is full instead of waiting: the slot's
+/// holder may be waiting for that image (slots come before images), and the
+/// two would wait for each other for ever.
+#[test]
+fn a_nested_slot_wait_under_an_enclosing_image_is_refused() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let holder = env.hold_until(&["--slot", "pull"], "slot-held", "slot-go");
+    let (rc, err) = (env.sentinel("inner-rc"), env.sentinel("inner-err"));
+    let script = format!(
+        "'{bin}' --root '{root}' exec --slot pull -- true 2>'{err}'; echo $? > '{rc}'",
+        bin = bin(),
+        root = env.root.display(),
+        err = err.display(),
+        rc = rc.display(),
+    );
+    let outer = env.spawn(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    wait_until("the inner exec ends or waits for the slot", || {
+        rc.exists()
+            || env
+                .slot_entry("pull")
+                .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    assert!(rc.exists(), "the inner exec waits for the slot");
+    let said = fs::read_to_string(&err).unwrap();
+    assert_eq!(fs::read_to_string(&rc).unwrap().trim(), "75", "{said}");
+    assert!(
+        said.contains("enclosing command holds image 'app'"),
+        "{said}"
+    );
+    let out = outer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.release("slot-go");
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
