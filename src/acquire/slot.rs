@@ -457,7 +457,16 @@ impl Outsider {
 
 /// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in.
 fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Option<Limits>> {
-    let Class::Limits(now) = crate::slots::read_class(store.root(), class)? else {
+    let now = crate::slots::read_class(store.root(), class)?;
+    // Emptied by an opener, not removed by `slots rm`: waited for under the limits read before.
+    if now == Class::Emptied {
+        let emptied = crate::slots::emptied(store.root(), class);
+        store
+            .ctx()
+            .detail(&format!("{emptied}; waiting under the limits read before"));
+        return Ok(Some(*limits));
+    }
+    let Class::Limits(now) = now else {
         return Err(Error::Usage(format!(
             "slot class '{class}' was removed while waiting for it"
         ))
@@ -603,8 +612,11 @@ impl Slots {
             self.candidates.put_back(i, guard);
             return Ok(Took::Busy);
         }
+        // An emptied record (slot_limits.rs) keeps the limits this waiter read.
         let now = crate::slots::read_class(root, class);
-        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits) {
+        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits)
+            && !matches!(now, Ok(Class::Emptied))
+        {
             self.candidates.put_back(i, guard);
             return Ok(Took::Changed);
         }

@@ -1371,3 +1371,46 @@ fn a_nested_slot_wait_under_an_enclosing_image_is_refused() {
     let out = holder.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
+
+/// flock(1)'s man page idiom `( flock -n 9 …) 9>FILE` on a class's
+/// `0.lock` empties the class's limits, even when the lock is not had. The
+/// class is then not taken for removed: a queued waiter keeps the limits it
+/// read and runs once the slot is free, a new command is refused naming the
+/// likely cause, `doctor` reports it, nothing tidies the class away, and
+/// `slots set` sets it again.
+#[test]
+fn a_slot_class_emptied_by_a_shell_redirection_is_said_not_removed() {
+    if !have("flock") {
+        eprintln!("skipping: flock(1) not found");
+        return;
+    }
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let holder = env.hold_until(&["--slot", "pull"], "slot-held", "slot-go");
+    let ran = env.sentinel("waiter-ran");
+    let ran_arg = ran.display().to_string();
+    let waiter = env.spawn(["exec", "--slot", "pull", "--", "touch", &ran_arg]);
+    env.wait_for_slot_waiters("pull", 1);
+    let zero = env.root.join("locks/slots/pull/0.lock");
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c")
+        .arg(format!("( flock -n 9 || true ) 9>'{}'", zero.display()));
+    assert_eq!(code(&output(c)), Some(0));
+    assert_eq!(fs::metadata(&zero).unwrap().len(), 0, "emptied");
+    let out = env.run(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("were emptied"), "{}", show(&out));
+    let out = env.run(["doctor"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("were emptied"), "{}", show(&out));
+    env.release("slot-go");
+    assert_eq!(code(&holder.finish()), Some(0));
+    let out = waiter.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+    // Nothing holds or awaits it now: still not tidied away as removed.
+    env.ok(["lock-status"]);
+    assert!(zero.exists(), "the class's files stay for 'slots set'");
+    env.ok(["slots", "set", "pull", "1"]);
+    env.ok(["exec", "--slot", "pull", "--", "true"]);
+}
