@@ -893,15 +893,13 @@ fn orphan_trees(
     if held_back(store.root(), orphans, &shown, report) {
         return Ok(());
     }
-    let emptied = emptied_records(store.root(), orphans);
-    report.naming("images", Info, &emptied, |names| {
-        format!("the lock file of {names} is empty while its tree is there: most likely a shell's '>' opened it (as in '9>FILE'; lock it with 'flock FILE CMD' or open it with '<>'), erasing the record, the image's only state; adopted, an image is incomplete and its base is lost: once its tree is known to be whole, 'stowage exec --write NAME -- true' marks it ready")
-    });
+    let mut emptied = emptied_records(store.root(), orphans);
     let (how, state) = match config.adopting {
         true => (Adopt::AsReady, "ready"),
         false => (Adopt::Unknown, "incomplete"),
     };
     if !repair {
+        say_emptied(report, &emptied);
         let orphaned: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
         let (have, them) = match orphaned.len() {
             1 => ("has", "it"),
@@ -914,6 +912,9 @@ fn orphan_trees(
         return Ok(());
     }
     let done = adopt::adopt(store.root(), config, orphans, how)?;
+    // Only those adopted: a tree gone meanwhile (removed on another host) lost no record.
+    emptied.retain(|n| done.names.contains(&n.to_string()));
+    say_emptied(report, &emptied);
     if config.adopting {
         adopt::mark_adopting(store, false)?;
     }
@@ -930,6 +931,13 @@ fn orphan_trees(
         report.add("images", Problem, detail);
     }
     Ok(())
+}
+
+/// Says the images whose record a shell's `>` likely erased, what that lost, and the cure.
+fn say_emptied(report: &mut Report, emptied: &[ImageName]) {
+    report.naming("images", Info, emptied, |names| {
+        format!("the lock file of {names} is empty while its tree is there: most likely a shell's '>' opened it (as in '9>FILE'; lock it with 'flock FILE CMD' or open it with '<>'), erasing the record, the image's only state; adopted, an image is incomplete and its base is lost: once its tree is known to be whole, 'stowage exec --write NAME -- true' marks it ready")
+    });
 }
 
 /// Trees without a record whose lock file is there with no byte at all: emptied by an opener (a
