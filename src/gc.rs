@@ -186,14 +186,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             report.size_before = budget.total + gone;
             report.sizes_as_recorded = false;
         }
-        // Least recently used first, passing over one whose removal would free nothing now.
-        rows.retain(|r| r.state == State::Ready);
-        while budget.total > max && !rows.is_empty() {
-            crate::signals::check()?;
-            let i = rows.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
-            let (r, reason) = (rows.remove(i), Reason::OverBudget);
-            collect(store, &r, reason, cutoff, &mut budget, &mut report)?;
-        }
+        over_budget(store, rows, max, cutoff, &mut budget, &mut report)?;
     }
     report.size_after = budget.total;
     if !policy.dry_run {
@@ -202,6 +195,34 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let freed = report.removed.iter().filter(|r| !r.left_in_trash);
     report.bytes_freed += freed.map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
+}
+
+/// Removes ready images, least recently used first, until the budget fits; an image held for
+/// writing or creating is never one, yet said as kept in use where the budget still does not fit.
+fn over_budget(
+    store: &mut Store,
+    mut rows: Vec<Image>,
+    max: u64,
+    cutoff: Option<Millis>,
+    budget: &mut Budget,
+    report: &mut Report,
+) -> Result<()> {
+    let held: Vec<String> = (rows.iter())
+        .filter(|r| matches!(r.state, State::Writing | State::Creating))
+        .map(|r| r.name().to_owned())
+        .collect();
+    // Least recently used first, passing over one whose removal would free nothing now.
+    rows.retain(|r| r.state == State::Ready);
+    while budget.total > max && !rows.is_empty() {
+        crate::signals::check()?;
+        let i = rows.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
+        let (r, reason) = (rows.remove(i), Reason::OverBudget);
+        collect(store, &r, reason, cutoff, budget, report)?;
+    }
+    if budget.total > max {
+        held.iter().for_each(|n| report.kept_busy(n));
+    }
+    Ok(())
 }
 
 /// `locks/gc.lock`, waited for (holding nothing) while another gc removes, named in our lease.

@@ -13,7 +13,9 @@
 //!
 //! - Written only under the global lock, in one synced `pwrite`; read with one `pread`, with or
 //!   without `0.lock`'s lock: a torn read fails the CRC and is read again.
-//! - An empty `0.lock` is no class.
+//! - A zeroed `0.lock` is no class (`slots rm` zeroes the record in place). One with no byte at
+//!   all was emptied by an opener, never by stowage: a shell's `9>FILE` (flock(1)'s man page idiom)
+//!   truncates it. Its class is not known, yet not removed: waiters keep the limits they read.
 //! - A slot is taken only among the first `limit` (or `reserve`) files; the rest up to
 //!   `files`/`high_files` are held under a higher, older limit.
 
@@ -93,6 +95,8 @@ pub enum Class {
     None,
     /// Bytes that are no record: the class cannot be known.
     Damaged,
+    /// No byte at all: emptied by an opener (module doc), the class not known.
+    Emptied,
     /// A later release's record (`stowage-class N`, N above ours): that release's class, neither
     /// used nor rewritten here.
     Newer(u64),
@@ -122,6 +126,9 @@ fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
     // Left by an unlinker that did not get to unlink it: no class.
     if bytes.starts_with(crate::lock::GONE) {
         return (Class::None, None);
+    }
+    if bytes.is_empty() {
+        return (Class::Emptied, None);
     }
     let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
     let newer = |i: usize| {
@@ -241,7 +248,7 @@ mod tests {
         assert_eq!(decode(&bytes, "load/podman").0, Class::Limits(l));
         assert_eq!(decode(&bytes, "pull").0, Class::Damaged);
         assert_eq!(decode(&[0u8; 10], "pull").0, Class::None);
-        assert_eq!(decode(b"", "pull").0, Class::None);
+        assert_eq!(decode(b"", "pull").0, Class::Emptied);
         for i in 0..60 {
             let mut b = bytes.clone();
             b[i] ^= 0x04;

@@ -185,6 +185,7 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
             root.slot_class_dir(class).join("0.lock").display()
         ),
         Class::Newer(n) => return Err(newer(root, class, n)),
+        Class::Emptied => anyhow::bail!("{}", emptied(root, class)),
         Class::None => {}
     }
     let known = configured(root);
@@ -194,6 +195,15 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
         format!("configured classes: {}", known.join(", "))
     };
     Err(Error::Usage(format!("unknown slot class '{class}' ({hint})")).into())
+}
+
+/// What is said of a class whose `0.lock` was emptied (slot_limits.rs): its likely cause and cure.
+pub fn emptied(root: &Root, class: &str) -> String {
+    let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
+    format!(
+        "slot class '{class}': its limits in {} were emptied, likely by a shell's '>' (use 'flock FILE' or '<>'); 'stowage slots set {class} LIMIT' sets them",
+        path.display()
+    )
 }
 
 /// Sets a class's limits under the global lock (`reserve` kept if not given): what was set.
@@ -423,6 +433,10 @@ fn tidy_removed(root: &Root, class: &str) {
     let Ok(Some(d)) = class_dir(root, class) else {
         return;
     };
+    // Emptied, not removed: its files and directory stay for a `slots set` or a repair.
+    if matches!(read_class(root, class), Ok(Class::Emptied) | Err(_)) {
+        return;
+    }
     let dir = root.slot_class_dir(class);
     for name in d.names().unwrap_or_default() {
         let Some(n) = name.to_str() else { continue };
@@ -431,7 +445,10 @@ fn tidy_removed(root: &Root, class: &str) {
         } else if Kind::of(n).is_some()
             && let Ok(Some(g)) =
                 lock::acquire_no_wait(&dir.join(n), Mode::Exclusive, lock::IfMissing::Fail)
-            && matches!(slot_limits::read(g.file(), class), Ok(Class::None))
+            && matches!(
+                slot_limits::read(g.file(), class),
+                Ok(Class::None | Class::Emptied)
+            )
         {
             let _ = root.unlink_lock(g);
         }

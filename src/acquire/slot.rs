@@ -172,8 +172,8 @@ pub(crate) fn take(
     if let Ok(got) = try_now(root, class, priority, &dir)? {
         return Ok(got);
     }
-    if no_wait {
-        return Err(Busy::now(what, holders).into());
+    if let Some(why) = refused(no_wait, &enclosing, &holders) {
+        return Err(Busy::now(what, why).into());
     }
     let reread: crate::wait_line::Reread = {
         let (root, class) = (root.clone(), class.to_owned());
@@ -190,6 +190,22 @@ pub(crate) fn take(
         None if ours_now() => under_enclosing(),
         None => Ok(None),
     }
+}
+
+/// Why a wait for a full class is refused, if it is: none was asked for (`--no-wait`), or an
+/// enclosing command holds an image. Slots come before images: the slot's holder may be waiting
+/// for that image, a cycle nobody would end.
+fn refused(no_wait: bool, enclosing: &crate::nested::Enclosing, holders: &str) -> Option<String> {
+    if no_wait {
+        return Some(holders.to_owned());
+    }
+    let image = enclosing.holds.iter().find_map(|h| {
+        let enc = h.lockfile.strip_prefix("images/")?.strip_suffix(".lock")?;
+        crate::name::ImageName::from_encoded(enc).ok()
+    })?;
+    Some(format!(
+        "{holders}; not waited for: an enclosing command holds image '{image}'"
+    ))
 }
 
 /// A slot if one is free now (`Ok(Ok(_))`), else the class's files to wait on, with the limits they
@@ -441,7 +457,16 @@ impl Outsider {
 
 /// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in.
 fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Option<Limits>> {
-    let Class::Limits(now) = crate::slots::read_class(store.root(), class)? else {
+    let now = crate::slots::read_class(store.root(), class)?;
+    // Emptied by an opener, not removed by `slots rm`: waited for under the limits read before.
+    if now == Class::Emptied {
+        let emptied = crate::slots::emptied(store.root(), class);
+        store
+            .ctx()
+            .detail(&format!("{emptied}; waiting under the limits read before"));
+        return Ok(Some(*limits));
+    }
+    let Class::Limits(now) = now else {
         return Err(Error::Usage(format!(
             "slot class '{class}' was removed while waiting for it"
         ))
@@ -587,8 +612,11 @@ impl Slots {
             self.candidates.put_back(i, guard);
             return Ok(Took::Busy);
         }
+        // An emptied record (slot_limits.rs) keeps the limits this waiter read.
         let now = crate::slots::read_class(root, class);
-        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits) {
+        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits)
+            && !matches!(now, Ok(Class::Emptied))
+        {
             self.candidates.put_back(i, guard);
             return Ok(Took::Changed);
         }

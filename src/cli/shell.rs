@@ -142,7 +142,7 @@ The catalog: names, lineage, last use, sizes (SQLite, rollback journal). Derived
 The global lock, held for one short metadata transaction at a time.
 .TP
 \fIROOT\fB/locks/images/\fIENC\fB.lock\fR
-One flock(2) lock per image, holding its record (state, base, creation); ENC is the name with '/' as '%' and ':' as '+'. \fBflock\fR(1) can take the same lock.
+One flock(2) lock per image, holding its record (state, base, creation); ENC is the name with '/' as '%' and ':' as '+'. \fBflock\fR(1) can take the same lock: let it open the file, or open it with <> or <, never with > (that empties the record).
 .TP
 \fIROOT\fB/locks/slots/\fICLASS\fB/\fR
 The lock files of a slot class.

@@ -105,6 +105,7 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 }
 
 fn show(store: &mut Store, json: bool) -> Result<u8> {
+    use crate::slot_limits::Class;
     store.require_root()?;
     let root = store.root().clone();
     // Something planted in a lock directory's place is not "no classes".
@@ -115,15 +116,16 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     slots::refuse_newer(&root, &classes)?;
     let damaged: Vec<_> = classes
         .into_iter()
-        .filter(|(_, c)| *c == crate::slot_limits::Class::Damaged)
+        .filter(|(_, c)| matches!(c, Class::Damaged | Class::Emptied))
         .collect();
     for (class, _) in &damaged {
         // Read again: advice to set them again only for limits read and found bad.
         let why = match slots::read_class(&root, class) {
             Err(e) => format!("{e:#}"),
-            Ok(crate::slot_limits::Class::Damaged) => format!(
+            Ok(Class::Damaged) => format!(
                 "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
             ),
+            Ok(Class::Emptied) => slots::emptied(&root, class),
             Ok(_) => continue,
         };
         store.ctx().say(&why);

@@ -97,12 +97,19 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
 
 /// Classes whose record cannot be read (one read per class; asked of a migrated store, whose class
 /// files are records): every acquirer of one is refused until it is set again. A `0.lock` that is
-/// no file is reported as planted by [`check`]; an empty one, of a removed class, is no class.
+/// no file is reported as planted by [`check`]; a zeroed one, of a removed class, is no class; one
+/// with no byte at all was emptied by an opener (`slot_limits.rs`), and only its user knows the
+/// limits: the catalog keeps no copy of them to restore.
 pub(super) fn class_records(root: &Root, report: &mut Report) {
     use crate::slot_limits::Class::Damaged;
     for (class, found) in crate::slots::classes(root) {
         if let crate::slot_limits::Class::Newer(n) = found {
             report.add("slots", Problem, format!("the limits of slot class '{class}' are of a later format ({n}): the store was made by a newer stowage; upgrade stowage"));
+            continue;
+        }
+        if found == crate::slot_limits::Class::Emptied {
+            let emptied = crate::slots::emptied(root, &class);
+            report.add("slots", Problem, format!("{emptied} (no copy is kept to restore them from; waiting commands keep the limits they read, new ones are refused)"));
             continue;
         }
         // Read again only where `classes` found no limits: told from a file that cannot be opened.

@@ -615,3 +615,70 @@ fn every_example_running_ch_image_keeps_its_locks_with_no_inherit() {
     }
     assert!(checked >= 3, "{checked}");
 }
+
+/// Every flock(1) example in the docs and the manual page opens its lock
+/// file without truncating it: a lock file holds an image's record or a
+/// slot class's limits, and a shell's `>` (flock(1)'s own man page idiom,
+/// `( flock 9 …) 9>FILE`) empties it even when the lock is not had. Looked
+/// at: the lines of code blocks and the inline code spans that name flock.
+#[test]
+fn every_flock_example_opens_its_lock_file_without_truncating() {
+    let mut files = vec![PathBuf::from(DOCS).join("README.md")];
+    for e in fs::read_dir(Path::new(DOCS).join("docs")).unwrap() {
+        files.push(e.unwrap().path());
+    }
+    let mut truncating = Vec::new();
+    let mut seen = 0;
+    for file in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "md"))
+    {
+        let text = fs::read_to_string(file).unwrap();
+        let mut in_code = false;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("```") {
+                in_code = !in_code;
+                continue;
+            }
+            // A comment in a code block says, it runs nothing.
+            let spans: Vec<&str> = if in_code {
+                vec![line.split(" #").next().unwrap_or(line)]
+                    .into_iter()
+                    .filter(|l| !l.trim_start().starts_with('#'))
+                    .collect()
+            } else {
+                line.split('`').skip(1).step_by(2).collect()
+            };
+            for span in spans.into_iter().filter(|s| s.contains("flock")) {
+                seen += 1;
+                if truncates(span) {
+                    truncating.push(format!("{}:{}: {span}", file.display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(seen > 0, "no flock example found");
+    assert!(truncates(
+        "( flock -n 9 || exit 1; make ) 9>ROOT/locks/slots/pull/0.lock"
+    ));
+    assert!(!truncates(
+        "exec 9<>ROOT/locks/slots/pull/0.lock; flock 9 2>/dev/null"
+    ));
+    assert!(
+        truncating.is_empty(),
+        "flock examples that open a file with '>':\n{}",
+        truncating.join("\n")
+    );
+}
+
+/// Whether a shell line opens a file for writing with `>` (not `<>`, `>>`
+/// is not one either; `>/dev/null` and `>&N` open no lock file).
+fn truncates(line: &str) -> bool {
+    line.match_indices('>').any(|(i, _)| {
+        let rest = line[i + 1..].trim_start();
+        !line[..i].ends_with(['<', '>', '-', '='])
+            && !rest.starts_with(['>', '&'])
+            && !rest.starts_with("/dev/null")
+            && !rest.is_empty()
+    })
+}

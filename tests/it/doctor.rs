@@ -1393,3 +1393,39 @@ fn a_damaged_slot_class_record_is_reported() {
     env.ok(["slots", "set", "build", "1"]);
     env.ok(["doctor"]);
 }
+
+/// flock(1)'s man page idiom `( flock -s 9 …) 9>FILE` on an image's lock
+/// file erases its record. The catalog's row is no copy to restore it from
+/// (a failed write since may be missing from it), so `doctor` says what
+/// emptied it and how to mark the image ready again, and `--repair` adopts
+/// it as incomplete, saying its base is lost.
+#[test]
+fn a_record_emptied_by_a_shell_redirection_is_said_with_its_cure() {
+    if !have("flock") {
+        eprintln!("skipping: flock(1) not found");
+        return;
+    }
+    let env = Env::new();
+    env.build("app", "echo hi > \"$STOWAGE_IMAGE_DIR/f\"");
+    let lock = env.lock_file("app");
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c").arg(format!(
+        "( flock -s 9 && cat '{}/app/f' ) 9>'{}'",
+        env.images_dir().display(),
+        lock.display()
+    ));
+    assert_eq!(code(&output(c)), Some(0));
+    assert_eq!(fs::metadata(&lock).unwrap().len(), 0, "emptied");
+    let out = env.run(["doctor"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let said = stdout(&out);
+    assert!(said.contains("is empty while its tree is there"), "{said}");
+    assert!(said.contains("exec --write NAME -- true"), "{said}");
+    let out = env.run(["doctor", "--repair"]);
+    let said = stdout(&out);
+    assert!(said.contains("its base is lost"), "{said}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("app", "f").trim(), "hi");
+}

@@ -194,6 +194,27 @@ fn gc_never_touches_a_locked_image_even_the_oldest() {
 }
 
 #[test]
+fn gc_reports_images_held_for_writing_or_creating_as_kept_in_use() {
+    let env = lru_store();
+    let writer = env.hold_until(&["--write", "a"], "writing", "release");
+    let creator = env.hold_until(&["--write", "new"], "creating", "release");
+    let report = gc_json(&env, &["--max-size", "0"], "2026-02-01T00:00:00Z");
+    assert_eq!(removed(&report), ["b", "c", "d"], "{report}");
+    // Why the budget still does not fit: the images gc may not touch are said.
+    let busy = report["busy"].as_array().unwrap();
+    for name in ["a", "new"] {
+        assert!(busy.contains(&serde_json::json!(name)), "{name}: {report}");
+    }
+    let text = stdout(&env.ok(["gc", "--dry-run", "--max-size", "0"]));
+    assert!(text.contains("kept 'a': in use"), "{text}");
+    assert!(text.contains("kept 'new': in use"), "{text}");
+    env.release("release");
+    writer.finish();
+    creator.finish();
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
+#[test]
 fn gc_removes_incomplete_and_unused_images() {
     let env = lru_store();
     env.run(["exec", "--write", "broken", "--", "false"]);

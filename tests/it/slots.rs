@@ -1333,3 +1333,84 @@ i=0; while [ ! -e '{other}' ] && [ $i -lt 500 ]; do sleep 0.02; i=$((i+1)); done
     assert_eq!(fs::read_to_string(&result).unwrap().trim(), "75");
     outer.kill_all();
 }
+
+/// A nested `exec --slot` whose enclosing command holds an image refuses
+/// (75) at once when the class is full instead of waiting: the slot's
+/// holder may be waiting for that image (slots come before images), and the
+/// two would wait for each other for ever.
+#[test]
+fn a_nested_slot_wait_under_an_enclosing_image_is_refused() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let holder = env.hold_until(&["--slot", "pull"], "slot-held", "slot-go");
+    let (rc, err) = (env.sentinel("inner-rc"), env.sentinel("inner-err"));
+    let script = format!(
+        "'{bin}' --root '{root}' exec --slot pull -- true 2>'{err}'; echo $? > '{rc}'",
+        bin = bin(),
+        root = env.root.display(),
+        err = err.display(),
+        rc = rc.display(),
+    );
+    let outer = env.spawn(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    wait_until("the inner exec ends or waits for the slot", || {
+        rc.exists()
+            || env
+                .slot_entry("pull")
+                .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    assert!(rc.exists(), "the inner exec waits for the slot");
+    let said = fs::read_to_string(&err).unwrap();
+    assert_eq!(fs::read_to_string(&rc).unwrap().trim(), "75", "{said}");
+    assert!(
+        said.contains("enclosing command holds image 'app'"),
+        "{said}"
+    );
+    let out = outer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.release("slot-go");
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// flock(1)'s man page idiom `( flock -n 9 …) 9>FILE` on a class's
+/// `0.lock` empties the class's limits, even when the lock is not had. The
+/// class is then not taken for removed: a queued waiter keeps the limits it
+/// read and runs once the slot is free, a new command is refused naming the
+/// likely cause, `doctor` reports it, nothing tidies the class away, and
+/// `slots set` sets it again.
+#[test]
+fn a_slot_class_emptied_by_a_shell_redirection_is_said_not_removed() {
+    if !have("flock") {
+        eprintln!("skipping: flock(1) not found");
+        return;
+    }
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let holder = env.hold_until(&["--slot", "pull"], "slot-held", "slot-go");
+    let ran = env.sentinel("waiter-ran");
+    let ran_arg = ran.display().to_string();
+    let waiter = env.spawn(["exec", "--slot", "pull", "--", "touch", &ran_arg]);
+    env.wait_for_slot_waiters("pull", 1);
+    let zero = env.root.join("locks/slots/pull/0.lock");
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c")
+        .arg(format!("( flock -n 9 || true ) 9>'{}'", zero.display()));
+    assert_eq!(code(&output(c)), Some(0));
+    assert_eq!(fs::metadata(&zero).unwrap().len(), 0, "emptied");
+    let out = env.run(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("were emptied"), "{}", show(&out));
+    let out = env.run(["doctor"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("were emptied"), "{}", show(&out));
+    env.release("slot-go");
+    assert_eq!(code(&holder.finish()), Some(0));
+    let out = waiter.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+    // Nothing holds or awaits it now: still not tidied away as removed.
+    env.ok(["lock-status"]);
+    assert!(zero.exists(), "the class's files stay for 'slots set'");
+    env.ok(["slots", "set", "pull", "1"]);
+    env.ok(["exec", "--slot", "pull", "--", "true"]);
+}
