@@ -159,9 +159,12 @@ fn keep_writers_out(root: &Root, rel: &str) -> io::Result<Option<crate::lock::Gu
     match crate::lock::acquire_no_wait(&root.image_lock(&name), shared, fail) {
         Ok(Some(held)) => Ok(Some(held)),
         Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
-        // No lock file, or something planted in its place: a writer takes none.
+        // No lock file, or something planted in its place: a writer may hold one a member
+        // unlinked, unseen; its tree is left as it is until it has a record again.
         Err(e) if e.kind() == io::ErrorKind::NotFound || crate::planted::find(&e).is_some() => {
-            Ok(None)
+            Err(io::Error::other(
+                "its image has no usable lock file, so a writer may be at work unseen: left as it is (a repair adopts a tree without a record; the next one shares it)",
+            ))
         }
         Err(e) => Err(io::Error::new(
             e.kind(),

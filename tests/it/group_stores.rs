@@ -2046,3 +2046,35 @@ fn a_rebuild_of_a_members_image_the_images_directory_keeps_is_refused_first() {
     assert_eq!(names_in(&env, "app"), ["a"]);
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
+
+/// A copy under way whose lock file a member unlinked (the locks directory
+/// is the group's to write) is still its writer's: `doctor --repair` leaves
+/// its private top as it is and says why. Before, a missing lock file read
+/// as "no writer", and the repair opened the top to the group mid-copy.
+#[test]
+fn a_repair_leaves_a_copy_whose_lock_file_was_unlinked_alone() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    env.build("base", "mkfifo \"$STOWAGE_IMAGE_DIR/z\"");
+    let (bg, pause) = env.paused(
+        ["exec", "--write", "app", "--from", "base", "--", "true"],
+        "clone-made",
+    );
+    let top = env.root.join("img/app");
+    fs::remove_file(env.root.join("locks/images/app.lock")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(
+        fs::metadata(&top).unwrap().mode() & 0o7777,
+        0o2700,
+        "{}",
+        show(&out)
+    );
+    assert!(
+        stdout(&out).contains("no usable lock file"),
+        "{}",
+        show(&out)
+    );
+    fs::remove_file(&pause).unwrap();
+    bg.finish();
+}
