@@ -200,6 +200,27 @@ pub fn is_newer(err: &anyhow::Error) -> bool {
     matches!(typed(err), Some(Error::Newer { .. }))
 }
 
+/// The error chain on one line, outermost first, minus causes whose words are already there (SQLite
+/// repeats its message as the source: "database is locked: Error code 5: database is locked").
+pub fn one_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        let words = match text.split_once(": ") {
+            Some((head, rest)) if head.starts_with("Error code ") => rest,
+            _ => text.as_str(),
+        };
+        if line.contains(words) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 /// The typed error in the chain, if any, one given as a context included.
 pub fn typed(err: &anyhow::Error) -> Option<&Error> {
     err.downcast_ref::<Error>()

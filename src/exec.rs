@@ -227,13 +227,23 @@ fn record_outcome(
     Ok(code)
 }
 
-/// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (said first).
+/// A start refused with `e`. A busy lock skips the command: said so (a log read after an exit 0
+/// must tell it from a run), exiting with `--conflict-exit-code` if given, else 75.
 fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
-    if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code) {
-        store.ctx().warn(&format!("{e:#}"));
-        return Ok(code);
+    if !matches!(error::typed(&e), Some(Error::Busy(_))) {
+        return Err(e);
     }
-    Err(e)
+    // Its name, not its path: the line stays short.
+    let path = std::path::Path::new(&plan.argv[0]);
+    let command = path
+        .file_name()
+        .unwrap_or(path.as_os_str())
+        .to_string_lossy();
+    let said = error::one_line(&e);
+    store.ctx().warn(&format!("{said}; '{command}' not run"));
+    Ok(plan
+        .conflict_exit_code
+        .unwrap_or(crate::error::code::TEMPFAIL))
 }
 
 /// `--store-wide`: the command runs while no image lock is held or granted.
