@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 
 use crate::command;
 use crate::error::{self, Error};
+use crate::ident::STOWAGE;
 use crate::name::ImageName;
 use crate::session::{Outcome, Request, Session};
 use crate::signals::Forwarder;
@@ -209,7 +210,7 @@ fn record_outcome(
             crate::disk_usage::human(free),
         );
         store.ctx().warn(&format!(
-            "{which} incomplete: the command failed with the filesystem of {at} full ({free} free): free space with 'stowage rm IMAGE' or 'stowage gc'"
+            "{which} incomplete: the command failed with the filesystem of {at} full ({free} free): free space with '{STOWAGE} rm IMAGE' or '{STOWAGE} gc'"
         ));
     }
     let wrote = match written.is_empty() {

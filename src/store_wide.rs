@@ -19,6 +19,7 @@ use anyhow::{Context, Result};
 
 use crate::error::{Busy, Error};
 use crate::holders::LockKind;
+use crate::ident::STOWAGE;
 use crate::image_record;
 use crate::lease::Holding;
 use crate::lock::{self, Guard, Mode, Wait, Waited};
@@ -243,7 +244,7 @@ impl Hold {
             Some(Err(e)) => {
                 store
                     .ctx()
-                    .say(&format!("{e:#}; 'stowage init' records it"));
+                    .say(&format!("{e:#}; '{STOWAGE} init' records it"));
                 return Vec::new();
             }
             None => false,
@@ -342,7 +343,7 @@ fn forget_missing(
     let unusable = crate::images_dir::unmounted(root, &dir).or_else(|| {
         empty.then(|| {
             format!(
-                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
+                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, '{STOWAGE} rm' the images)",
                 dir.display()
             )
         })

@@ -117,7 +117,7 @@ pub fn main() -> ExitCode {
         Err(e) => return parse_failure(e, &args),
     };
     // SIGPIPE stays ignored: an exec outlives a gone reader to record its outcome.
-    let result = run(cli);
+    let result = run(cli).map_err(init::with_refusal);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
     exit_with(result)

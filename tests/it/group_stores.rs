@@ -1205,7 +1205,7 @@ fn a_member_kept_out_by_a_parts_group_is_told_the_group_and_whose_repair_fixes_i
             show(&doctor)
         );
         assert!(
-            said.contains(&theirs) && said.contains("'stowage doctor --repair'"),
+            said.contains(&theirs) && said.contains(" doctor --repair'"),
             "{said}"
         );
         assert!(!said.contains("chmod 666"), "{said}");
