@@ -340,6 +340,17 @@ pub fn with_refusal(e: anyhow::Error) -> anyhow::Error {
                     .map(|e| format!("{e:#}"))
             })
     };
+    // Only these two, taken out whole: a downcast of a context would drop what it wraps.
+    let no_store = matches!(
+        e.downcast_ref::<crate::Error>(),
+        Some(
+            crate::Error::NoRoot { refused: None, .. }
+                | crate::Error::NotAStore { refused: None, .. }
+        )
+    );
+    if !no_store || e.chain().count() > 1 {
+        return e;
+    }
     match e.downcast::<crate::Error>() {
         Ok(crate::Error::NoRoot { dir, refused: None }) => {
             let refused = refusal(&dir);

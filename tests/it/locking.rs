@@ -303,9 +303,9 @@ fn a_busy_lock_with_many_holders_is_said_in_one_short_line() {
         .replace(&env.tmp.path().display().to_string(), "TMP");
     // The holder's command is shown up to 80 characters (this one is a
     // long shell line); the three holders in full took 400. The line ends
-    // saying the command was not run.
+    // saying the command was not run, and names lock-status with the root.
     assert!(
-        line.chars().count() <= 220,
+        line.chars().count() <= 240,
         "{} chars: {line}",
         line.chars().count()
     );
