@@ -13,6 +13,7 @@ use anyhow::Result;
 
 use crate::clock;
 use crate::config::Config;
+use crate::ident::STOWAGE;
 use crate::image_record::{self, ADOPTED, Record, State};
 use crate::name::ImageName;
 use crate::root::Root;
@@ -111,9 +112,11 @@ fn adopt_one(
         // A lock file made just now for nothing goes again.
         let _ = root.unlink_lock(guard);
         let full = if crate::space::is_full_io(&e) {
-            " (the filesystem is full: 'stowage gc' or 'stowage rm IMAGE' free space, and both work on a full filesystem; then repair again)"
+            format!(
+                " (the filesystem is full: '{STOWAGE} gc' or '{STOWAGE} rm IMAGE' free space, and both work on a full filesystem; then repair again)"
+            )
         } else {
-            ""
+            String::new()
         };
         anyhow::bail!("cannot write its record in {}: {e}{full}", path.display());
     }

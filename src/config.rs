@@ -161,7 +161,8 @@ fn read_file(dir: &Dir) -> std::io::Result<Read> {
 /// said as it is.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records"
+    "{why}; {} sets it aside and writes it anew from the images' records",
+    crate::ident::Hint("'stowage doctor --repair'")
 )]
 pub struct Unusable {
     /// What is wrong with it, naming it.

@@ -69,21 +69,29 @@ pub enum Error {
     #[error("no process has pid {0} (on this host, in this pid namespace)")]
     NoSuchProcess(u32),
 
-    /// The root does not exist, and the command only reads (exit 66).
-    #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), crate::ident::shell_path(.0))]
-    NoRoot(PathBuf),
+    /// The root does not exist, and the command only reads (exit 66). `refused`: why `init` would
+    /// refuse it (said instead of suggesting it).
+    #[error("root {} does not exist ({})", dir.display(), way_out(dir, refused.as_deref(), "creates it"))]
+    NoRoot {
+        dir: PathBuf,
+        refused: Option<String>,
+    },
 
     /// The root is a directory that holds no store (exit 66): a command that reads creates
     /// nothing there, one that writes makes a store only in an empty one; `init` is asked to.
-    #[error("root {} holds no store{}", dir.display(), not_a_store_detail(dir, held.as_deref()))]
-    NotAStore { dir: PathBuf, held: Option<String> },
+    #[error("root {} holds no store{}", dir.display(), not_a_store_detail(dir, held.as_deref(), refused.as_deref()))]
+    NotAStore {
+        dir: PathBuf,
+        held: Option<String>,
+        refused: Option<String>,
+    },
 
     /// The image exists but cannot be read in its state (exit 66).
     #[error("image '{name}' is not ready (state: {state})")]
     NotReady { name: String, state: String },
 
     /// The image's record cannot be read: its state is not known (exit 66).
-    #[error("image '{name}': its record in {} {}, its state unknown ('stowage exec --write {name} -- true' marks it ready)", path.display(), damage(.holds))]
+    #[error("image '{name}': its record in {} {}, its state unknown ('{} exec --write {name} -- true' marks it ready)", path.display(), damage(.holds), crate::ident::STOWAGE)]
     DamagedRecord {
         name: String,
         path: PathBuf,
@@ -178,7 +186,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
             | Error::NoSuchProcess(_)
             | Error::NotReady { .. }
             | Error::DamagedRecord { .. }
-            | Error::NoRoot(_)
+            | Error::NoRoot { .. }
             | Error::NotAStore { .. },
         ) => code::NO_INPUT,
         Some(Error::LockingUnavailable { .. } | Error::UnsafeLocking(_)) => code::UNAVAILABLE,
@@ -198,6 +206,27 @@ pub fn newer_format(text: &str, word: &str, ours: u64) -> Option<u64> {
 /// Whether `err` is a later release's store refused ([`Error::Newer`]): never gone on from.
 pub fn is_newer(err: &anyhow::Error) -> bool {
     matches!(typed(err), Some(Error::Newer { .. }))
+}
+
+/// The error chain on one line, outermost first, minus causes whose words are already there (SQLite
+/// repeats its message as the source: "database is locked: Error code 5: database is locked").
+pub fn one_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        let words = match text.split_once(": ") {
+            Some((head, rest)) if head.starts_with("Error code ") => rest,
+            _ => text.as_str(),
+        };
+        if line.contains(words) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 /// The typed error in the chain, if any, one given as a context included.
@@ -220,7 +249,7 @@ fn lock_advice(err: &io::Error) -> &'static str {
             " — the filesystem is read-only: stowage writes lock files in the root (use a --root on a writable one)"
         }
         _ if flock_unsupported(err) => {
-            " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor'"
+            " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor' (with the same --root)"
         }
         _ => "",
     }
@@ -261,8 +290,6 @@ pub fn without_errno(text: &str) -> String {
     out
 }
 
-/// What [`Error::NotAStore`] says after "holds no store": what the root holds, and the way out. A
-/// `locks` that is no directory is its owner's: `init` would refuse it.
 /// How a record that says nothing of its image is damaged: unreadable, or another image's.
 fn damage(holds: &Option<String>) -> String {
     match holds {
@@ -271,11 +298,25 @@ fn damage(holds: &Option<String>) -> String {
     }
 }
 
-fn not_a_store_detail(dir: &std::path::Path, held: Option<&str>) -> String {
+/// What [`Error::NotAStore`] says after "holds no store": what the root holds, and the way out. A
+/// `locks` that is no directory is its owner's: `init` would refuse it.
+fn not_a_store_detail(dir: &std::path::Path, held: Option<&str>, refused: Option<&str>) -> String {
+    let way_out = way_out(dir, refused, "makes it one");
     match held {
         Some("locks") => ": its 'locks' is no directory of a store (mistyped? move it away, or name another root)".into(),
-        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? 'stowage --root {} init' makes it one)", crate::ident::shell_path(dir)),
-        None => format!(" (mistyped? 'stowage --root {} init' makes it one)", crate::ident::shell_path(dir)),
+        Some(h) => format!(": it holds '{h}' but no 'locks' directory (mistyped? {way_out})"),
+        None => format!(" (mistyped? {way_out})"),
+    }
+}
+
+/// The way out of a root that is no store: `init` there, unless it would refuse (`refused`: why).
+fn way_out(dir: &std::path::Path, refused: Option<&str>, does: &str) -> String {
+    match refused {
+        Some(why) => format!("no store can be made there: {why}"),
+        None => format!(
+            "'stowage --root {} init' {does}",
+            crate::ident::shell_path(dir)
+        ),
     }
 }
 

@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 
 use crate::command;
 use crate::error::{self, Error};
+use crate::ident::STOWAGE;
 use crate::name::ImageName;
 use crate::session::{Outcome, Request, Session};
 use crate::signals::Forwarder;
@@ -209,7 +210,7 @@ fn record_outcome(
             crate::disk_usage::human(free),
         );
         store.ctx().warn(&format!(
-            "{which} incomplete: the command failed with the filesystem of {at} full ({free} free): free space with 'stowage rm IMAGE' or 'stowage gc'"
+            "{which} incomplete: the command failed with the filesystem of {at} full ({free} free): free space with '{STOWAGE} rm IMAGE' or '{STOWAGE} gc'"
         ));
     }
     let wrote = match written.is_empty() {
@@ -227,13 +228,23 @@ fn record_outcome(
     Ok(code)
 }
 
-/// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (said first).
+/// A start refused with `e`. A busy lock skips the command: said so (a log read after an exit 0
+/// must tell it from a run), exiting with `--conflict-exit-code` if given, else 75.
 fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
-    if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code) {
-        store.ctx().warn(&format!("{e:#}"));
-        return Ok(code);
+    if !matches!(error::typed(&e), Some(Error::Busy(_))) {
+        return Err(e);
     }
-    Err(e)
+    // Its name, not its path: the line stays short.
+    let path = std::path::Path::new(&plan.argv[0]);
+    let command = path
+        .file_name()
+        .unwrap_or(path.as_os_str())
+        .to_string_lossy();
+    let said = error::one_line(&e);
+    store.ctx().warn(&format!("{said}; '{command}' not run"));
+    Ok(plan
+        .conflict_exit_code
+        .unwrap_or(crate::error::code::TEMPFAIL))
 }
 
 /// `--store-wide`: the command runs while no image lock is held or granted.

@@ -20,6 +20,7 @@ use serde::Serialize;
 use crate::clock::{self, Millis};
 use crate::ctx::Ctx;
 use crate::ident;
+use crate::ident::STOWAGE;
 use crate::image_record::State;
 use crate::kernel::{Entry, Table};
 use crate::lease::{Holding, Identity};
@@ -927,7 +928,7 @@ pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
     let mut s = format!("{lead}{}", describe(first));
     let more = holders.len() - 1;
     if more > 0 {
-        s.push_str(&format!("; and {more} more (see 'stowage lock-status')"));
+        s.push_str(&format!("; and {more} more (see '{STOWAGE} lock-status')"));
     }
     s
 }

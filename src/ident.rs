@@ -3,6 +3,7 @@
 //! - A record is information, never the truth about a lock (the kernel is).
 //! - Its liveness is its owner's lease (`lease.rs`): a pid means nothing on another host or in
 //!   another pid namespace.
+//! - How a hint names stowage: with the `--root` the user gave, so that it acts on this root.
 
 use std::fs;
 
@@ -403,5 +404,38 @@ mod tests {
         assert_eq!(printable("naïve"), "naïve");
         // A `$'…'` word to paste stays whole beside a raw newline.
         assert_eq!(printable("a\nb $'c\\nd'"), r"a\nb $'c\nd'");
+    }
+}
+
+/// `stowage` as a hint names it: with `--root` as the user gave it, if they did, so that a command
+/// run as the hint shows it acts on this root, not the default one.
+pub struct Stowage;
+
+pub static STOWAGE: Stowage = Stowage;
+
+/// A fixed hint naming stowage commands ('stowage …'), said with [`STOWAGE`].
+#[derive(Clone, Copy)]
+pub struct Hint(pub &'static str);
+
+impl std::fmt::Display for Hint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.replace("'stowage ", &format!("'{STOWAGE} ")))
+    }
+}
+
+/// The `--root` given, quoted for a shell: set once, when the root is resolved.
+static GIVEN_ROOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Notes the `--root` the user gave, for [`STOWAGE`].
+pub fn root_given(dir: &std::path::Path) {
+    let _ = GIVEN_ROOT.set(shell_path(dir));
+}
+
+impl std::fmt::Display for Stowage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match GIVEN_ROOT.get() {
+            Some(root) => write!(f, "stowage --root {root}"),
+            None => f.write_str("stowage"),
+        }
     }
 }

@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 use crate::claim::Claim;
 use crate::config::Config;
 use crate::dir::Dir;
+use crate::ident::STOWAGE;
 use crate::image_record::{ImagesDir, Record};
 use crate::name::ImageName;
 use crate::root::Root;
@@ -30,7 +31,7 @@ pub fn config(root: &Root) -> Result<Config> {
     // An old release's catalog is migrated first; one that cannot be asked is refused.
     let legacy = crate::catalog::legacy_state(root).with_context(|| {
         format!(
-            "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
+            "{} is missing, and {} cannot be asked whether to migrate it ('{STOWAGE} doctor' tells more)",
             root.dir().join(crate::config::FILE).display(),
             root.db().display()
         )
@@ -51,7 +52,7 @@ pub fn config(root: &Root) -> Result<Config> {
     // Read again after the records were seen: lost if still missing (else made meanwhile).
     crate::config::read(root.dir(), root.opened()?)?.with_context(|| {
         format!(
-            "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
+            "{} is missing while images have records: '{STOWAGE} doctor --repair' writes it anew from them",
             root.dir().join(crate::config::FILE).display()
         )
     })
@@ -77,7 +78,7 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     let config = config(root)?;
     if config.images != record.images {
         anyhow::bail!(
-            "the record of image '{}' names images directory {}, but the store's is {}: refusing to touch it (run 'stowage doctor')",
+            "the record of image '{}' names images directory {}, but the store's is {}: refusing to touch it (run '{STOWAGE} doctor')",
             record.name,
             record.images.path_in(root.dir()).display(),
             config.images.path_in(root.dir()).display()
@@ -217,7 +218,7 @@ fn a_copys(config: &Config, dir: &Path, here: &str) -> Option<String> {
             "images directory {at} is not marked as this store's, and this root is not the one its store.conf records (a copy, or moved to another filesystem)"
         );
         format!(
-            "{why}: its locks are not the original's; a copy needs images of its own; one whose original is gone takes it by 'stowage init --images-dir {shown}'"
+            "{why}: its locks are not the original's; a copy needs images of its own; one whose original is gone takes it by '{STOWAGE} init --images-dir {shown}'"
         )
     })
 }
@@ -240,14 +241,14 @@ fn unreadable(root: &Root, dir: &Path, e: &std::io::Error) -> String {
         crate::ident::shell_path(dir),
     );
     format!(
-        "{said}; its owner or root gives it the store's group {group} by 'stowage init --images-dir {path}'"
+        "{said}; its owner or root gives it the store's group {group} by '{STOWAGE} init --images-dir {path}'"
     )
 }
 
 fn unclaimed(dir: &Path) -> String {
     let shown = crate::ident::shell_path(dir);
     format!(
-        "images directory {} is not marked as this store's, and others may rewrite its store.conf: if it is this store's, 'stowage init --images-dir {shown}'",
+        "images directory {} is not marked as this store's, and others may rewrite its store.conf: if it is this store's, '{STOWAGE} init --images-dir {shown}'",
         dir.display()
     )
 }
@@ -607,7 +608,7 @@ fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String>
 /// makes it the store's images directory for every host and container that uses the store.
 fn not_recorded(dir: &Path, now: &str, recorded: &str) -> String {
     format!(
-        "images directory {} is not the directory recorded ({now}, not {recorded}): not mounted? ('stowage init --images-dir {}' is for all hosts)",
+        "images directory {} is not the directory recorded ({now}, not {recorded}): not mounted? ('{STOWAGE} init --images-dir {}' is for all hosts)",
         dir.display(),
         crate::ident::shell_path(dir)
     )

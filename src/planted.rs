@@ -24,16 +24,19 @@ use nix::sys::stat::Mode;
 
 use crate::clock::Millis;
 use crate::error::{cstr, cvt};
+use crate::ident::{Hint, STOWAGE};
 
 /// How every file under the root is opened, whatever else is asked.
 pub const FLAGS: libc::c_int =
     libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
 
 /// What to do of a symlink in `ROOT/img`'s place, which a repair leaves (its user's, perhaps).
-pub const IMG_LINK: &str = "stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root";
+pub const IMG_LINK: Hint = Hint(
+    "stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root",
+);
 
 /// What every refusal tells the user to do.
-pub const FIX: &str = "'stowage doctor --repair' sets it aside (renamed, never deleted)";
+pub const FIX: Hint = Hint("'stowage doctor --repair' sets it aside (renamed, never deleted)");
 
 /// A path of the layout that is not what stowage keeps there: a file that is not a regular file, or
 /// a directory on the way that is not one.
@@ -55,7 +58,7 @@ impl std::fmt::Display for NotAFile {
         let (refusal, fix) = match self.kind {
             HARD_LINK => (
                 "refusing to write through it",
-                "'stowage doctor' says what to do",
+                Hint("'stowage doctor' says what to do"),
             ),
             _ => ("refusing to use it", FIX),
         };
@@ -258,7 +261,7 @@ pub fn denied(path: &Path) -> Option<String> {
     }
     let uid = m.uid();
     let fix = if uid == nix::unistd::geteuid().as_raw() {
-        "'stowage doctor --repair' gives it back its mode".to_owned()
+        format!("'{STOWAGE} doctor --repair' gives it back its mode")
     } else if let Some(why) = group_store_part(path, uid, m.gid()) {
         // A group store's file: its group and group write again, never world-writable.
         why
@@ -307,7 +310,7 @@ pub fn group_store_part(path: &Path, uid: u32, gid: u32) -> Option<String> {
         "it is not open to its group".to_owned()
     };
     Some(format!(
-        "{cause}: its owner (uid {uid}) or root can run 'stowage doctor --repair'"
+        "{cause}: its owner (uid {uid}) or root can run '{STOWAGE} doctor --repair'"
     ))
 }
 

@@ -23,6 +23,7 @@ use crate::clock;
 use crate::debug;
 use crate::dir::Dir;
 use crate::disk_usage;
+use crate::ident::STOWAGE;
 use crate::image_record::{self, Record, State};
 use crate::lock::Mode;
 use crate::name::ImageName;
@@ -100,7 +101,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
             crate::signals::check()?;
             remove_trash_entry(&trash, &t).err().map(|e| {
                 format!(
-                    "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it once it can): {}: {e}",
+                    "image '{name}' was removed, but its tree is left in the trash ('{STOWAGE} gc' deletes it once it can): {}: {e}",
                     root.trash().join(&t).display()
                 )
             })
@@ -125,7 +126,7 @@ fn drop_the_record(root: &Root, held: Held) -> Result<(ImageName, Option<String>
     let left = root
         .drop_record(&name, held.guard)
         .with_context(|| format!("cannot remove the record of image '{name}'"))?
-        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left (it names no image; 'stowage doctor --repair' removes it once it can): {why}"));
+        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left (it names no image; '{STOWAGE} doctor --repair' removes it once it can): {why}"));
     Ok((name, left))
 }
 
@@ -179,7 +180,7 @@ fn after_take_out(
             broken.outcome = Some("removal failed half-way".into());
             let name = &held.name;
             let what = format!(
-                "image '{name}' was deleted only in part and is now incomplete ('stowage gc' removes it once the cause is fixed)"
+                "image '{name}' was deleted only in part and is now incomplete ('{STOWAGE} gc' removes it once the cause is fixed)"
             );
             (broken, e, what)
         }

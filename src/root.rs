@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 
 use crate::dir::Dir;
+use crate::ident::STOWAGE;
 use crate::name::ImageName;
 use crate::planted;
 
@@ -90,6 +91,9 @@ impl Root {
             let from = flag.map_or("STOWAGE_ROOT", |_| "--root");
             let e = format!("{from}: the root given is only blanks (is a variable unset?)");
             return Err(crate::Error::Usage(e).into());
+        }
+        if let Some(flag) = flag {
+            crate::ident::root_given(flag);
         }
         let named = flag.map(Path::to_owned).or_else(|| env.map(PathBuf::from));
         let default = named.is_none();
@@ -186,7 +190,8 @@ impl Root {
         if self.holds_store() {
             return Ok(());
         } else if !self.exists() {
-            return Err(crate::Error::NoRoot(self.dir.clone()).into());
+            let (dir, refused) = (self.dir.clone(), None);
+            return Err(crate::Error::NoRoot { dir, refused }.into());
         }
         let e = match fs::symlink_metadata(self.dir.join("locks")) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => e,
@@ -225,6 +230,7 @@ impl Root {
         crate::Error::NotAStore {
             dir: self.dir.clone(),
             held,
+            refused: None,
         }
     }
 
@@ -716,7 +722,7 @@ impl Root {
                     std::io::Error::other(format!("{} is {kind}, not a directory, and no store's: refusing to make a store here; move it away or choose another root", path.display()))
                 }
                 (true, "a symlink") if rel == "img" => {
-                    std::io::Error::other(refusal(&path, "a symlink", planted::IMG_LINK))
+                    std::io::Error::other(refusal(&path, "a symlink", &planted::IMG_LINK.to_string()))
                 }
                 (true, kind) => planted::not_a_dir(&path, kind),
                 (false, kind) => planted::not_a_file(&path, kind),
@@ -844,7 +850,7 @@ impl Root {
 
     /// Before a new store is made: an `img` in the root that another store's standing claim names
     /// is refused.
-    fn refuse_claimed_img(&self) -> Result<()> {
+    pub fn refuse_claimed_img(&self) -> Result<()> {
         let here = || Dir::anchor_nofollow(&self.dir).and_then(|d| d.identity());
         // No id of ours yet: a claim whose root is gone is nobody's.
         if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_err()
@@ -1082,7 +1088,7 @@ impl Root {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
             let root = self.dir.display();
             return Err(crate::Error::UnsafeLocking(format!(
-                "root {root}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')"
+                "root {root}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see '{STOWAGE} doctor')"
             ))
             .into());
         }
@@ -1203,7 +1209,7 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     } else {
         planted::FIX
     };
-    anyhow::anyhow!("{}", refusal(path, kind, fix))
+    anyhow::anyhow!("{}", refusal(path, kind, &fix.to_string()))
 }
 
 fn refusal(path: &Path, kind: &str, fix: &str) -> String {

@@ -26,6 +26,7 @@ use crate::acquire::slot::SlotGuard;
 use crate::clock;
 use crate::dir::Dir;
 use crate::error::Error;
+use crate::ident::STOWAGE;
 use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::Mode;
 use crate::name::ImageName;
@@ -186,7 +187,7 @@ impl Session {
                     crate::migrate::run(store, req.deadline)?
                 }
                 Attempt::Legacy => anyhow::bail!(
-                    "the store at {} is still one to migrate after its migration: run 'stowage doctor'",
+                    "the store at {} is still one to migrate after its migration: run '{STOWAGE} doctor'",
                     store.root().dir().display()
                 ),
             }
@@ -318,7 +319,7 @@ impl Session {
         match dirs.next() {
             Some(d) if dirs.all(|o| o == d) => Ok(d),
             Some(d) => anyhow::bail!(
-                "the images of this request are in different images directories ({} and others): run 'stowage doctor'",
+                "the images of this request are in different images directories ({} and others): run '{STOWAGE} doctor'",
                 d.display()
             ),
             None => crate::images_dir::checked(&self.root, &crate::images_dir::config(&self.root)?),
@@ -775,7 +776,7 @@ fn not_ready_why(r: &Record) -> String {
     let name = &r.name;
     match (r.state, r.outcome.as_deref()) {
         _ if r.readiness_unknown() => format!(
-            "incomplete, readiness unknown: 'stowage exec --write {name} -- true' marks it ready"
+            "incomplete, readiness unknown: '{STOWAGE} exec --write {name} -- true' marks it ready"
         ),
         (State::Incomplete, Some(how)) => format!("incomplete, its writer's outcome: {how}"),
         // A write in flight under no exclusive lock: its writer is gone.
@@ -868,7 +869,7 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>,
         _ => return Ok((false, Some(dir), Some(images))),
     };
     anyhow::bail!(
-        "image '{}': its tree {} is {what}: refusing to write through it (remove it with 'stowage rm {}')",
+        "image '{}': its tree {} is {what}: refusing to write through it (remove it with '{STOWAGE} rm {}')",
         held.name,
         tree.display(),
         held.name
@@ -933,7 +934,8 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
     let path = dir.join(name.encoded());
     // Only a directory is a tree `doctor --repair` adopts, and not every one: advised only there
     // (asked only here, refusing: a new image's start pays nothing for it).
-    let adopt = ", or 'stowage doctor --repair' adopts it";
+    let adopt = format!(", or '{STOWAGE} doctor --repair' adopts it");
+    let adopt = adopt.as_str();
     let (what, adopt) = match images.stat_at(name.encoded())? {
         Some(e) if e.is_symlink() => ("a symlink".to_owned(), ""),
         Some(e) if !e.is_dir() => ("not a directory".to_owned(), ""),

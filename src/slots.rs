@@ -19,6 +19,7 @@ use anyhow::{Context, Result};
 use crate::dir::Dir;
 use crate::error::Error;
 use crate::holders::{LockKind, LockReport, Look, Party};
+use crate::ident::STOWAGE;
 use crate::lock::{self, Mode, Probe};
 use crate::root::Root;
 use crate::slot_limits::{self, Class, Kind, Limits};
@@ -181,7 +182,7 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
     match read_class(root, class)? {
         Class::Limits(l) => return Ok(l),
         Class::Damaged => anyhow::bail!(
-            "the limits of slot class '{class}' in {} are damaged; set them again with 'stowage slots set {class} LIMIT'",
+            "the limits of slot class '{class}' in {} are damaged; set them again with '{STOWAGE} slots set {class} LIMIT'",
             root.slot_class_dir(class).join("0.lock").display()
         ),
         Class::Newer(n) => return Err(newer(root, class, n)),
@@ -190,7 +191,7 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
     }
     let known = configured(root);
     let hint = if known.is_empty() {
-        "no slot classes are configured; add one with 'stowage slots set CLASS LIMIT'".to_owned()
+        format!("no slot classes are configured; add one with '{STOWAGE} slots set CLASS LIMIT'")
     } else {
         format!("configured classes: {}", known.join(", "))
     };

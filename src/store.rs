@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use crate::catalog::{self, Catalog, CatalogError, Found, NeedsMigration};
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
+use crate::ident::STOWAGE;
 use crate::lock::{self, Mode, Wait};
 use crate::root::Root;
 
@@ -294,9 +295,9 @@ pub(crate) fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
         return CatalogError(format!("catalog {} cannot be read: {io}", db.display())).into();
     }
     let hint = if catalog::is_full(&e) {
-        " (its filesystem is full: free space with 'stowage rm IMAGE' or 'stowage gc')"
+        format!(" (its filesystem is full: free space with '{STOWAGE} rm IMAGE' or '{STOWAGE} gc')")
     } else {
-        ""
+        String::new()
     };
     e.context(CatalogError(format!("catalog {}{hint}", db.display())))
 }

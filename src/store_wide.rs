@@ -1,9 +1,9 @@
 //! Store-wide holds: `exec --store-wide`, `init`'s switch of the images directory and the migration
 //! run while nobody else holds or can take an image lock (docs/design.md, "Store-wide holds").
 //!
-//! - The holder takes `store.lock` exclusively, holding nothing else; then, for each image lock
-//!   file until a listing finds none new: set the hint, take the lock exclusively, set the hint
-//!   again under it, let it go.
+//! - The holder takes `store.lock` exclusively, holding nothing else; then, until a listing finds
+//!   no lock file new: sets the hint on every file listed, then takes each lock exclusively, sets
+//!   the hint again under it, lets it go.
 //! - An image user that finds the hint asks `store.lock`: held, it lets go of everything, waits for
 //!   it shared holding nothing, and starts over. A new image's writer always asks, after taking its
 //!   own lock.
@@ -19,6 +19,7 @@ use anyhow::{Context, Result};
 
 use crate::error::{Busy, Error};
 use crate::holders::LockKind;
+use crate::ident::STOWAGE;
 use crate::image_record;
 use crate::lease::Holding;
 use crate::lock::{self, Guard, Mode, Wait, Waited};
@@ -187,7 +188,8 @@ impl Hold {
         Ok(Hold { guard })
     }
 
-    /// Hints each image lock file, waits for it to be free; relists until a pass finds none new.
+    /// Hints every image lock file listed, then waits for each to be free; relists until a pass
+    /// finds none new.
     fn quiesce(&self, store: &Store, deadline: Option<Instant>, no_wait: bool) -> Result<()> {
         let root = store.root();
         let mut done = HashSet::new();
@@ -197,9 +199,16 @@ impl Hold {
             if fresh.is_empty() {
                 return Ok(());
             }
+            // All hinted before any is waited for: a file hinted only once its turn came would let
+            // new users of its image start meanwhile, and the hold would then wait for them too.
+            for name in &fresh {
+                crate::signals::check()?;
+                hint(store, name)?;
+            }
+            crate::debug::pause("store-wide-hinted");
             for name in fresh {
                 crate::signals::check()?;
-                hint_and_pass(store, &name, deadline, no_wait)?;
+                pass(store, &name, deadline, no_wait)?;
                 done.insert(name);
             }
         }
@@ -235,7 +244,7 @@ impl Hold {
             Some(Err(e)) => {
                 store
                     .ctx()
-                    .say(&format!("{e:#}; 'stowage init' records it"));
+                    .say(&format!("{e:#}; '{STOWAGE} init' records it"));
                 return Vec::new();
             }
             None => false,
@@ -334,7 +343,7 @@ fn forget_missing(
     let unusable = crate::images_dir::unmounted(root, &dir).or_else(|| {
         empty.then(|| {
             format!(
-                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
+                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, '{STOWAGE} rm' the images)",
                 dir.display()
             )
         })
@@ -358,22 +367,25 @@ fn forget_missing(
     missing.into_iter().filter_map(forget).collect()
 }
 
-/// One lock file of the scan: hint, take (waiting if busy), hint again under the lock, let go.
-fn hint_and_pass(
-    store: &Store,
-    file: &str,
-    deadline: Option<Instant>,
-    no_wait: bool,
-) -> Result<()> {
+/// Sets the hint on one lock file of the scan, unlocked: from now on its image's new users ask
+/// `store.lock`. One gone meanwhile is nothing left to hold off.
+fn hint(store: &Store, file: &str) -> Result<()> {
+    let path = store.root().image_locks().join(file);
+    let label = crate::root::lock_file_label(file);
+    let err = |e| lock::error(&label, &path, e);
+    if let Some(f) = lock::open_existing(&path).map_err(err)? {
+        let _ = image_record::set_store_wide(&f, true);
+    }
+    Ok(())
+}
+
+/// One hinted lock file of the scan: take it (waiting if busy), hint again under the lock (a user
+/// finding no hold may have cleared it), let go.
+fn pass(store: &Store, file: &str, deadline: Option<Instant>, no_wait: bool) -> Result<()> {
     let root = store.root();
     let path = root.image_locks().join(file);
     let label = crate::root::lock_file_label(file);
     let err = |e| lock::error(&label, &path, e);
-    let Some(f) = lock::open_existing(&path).map_err(err)? else {
-        return Ok(());
-    };
-    let _ = image_record::set_store_wide(&f, true);
-    drop(f);
     let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
         Ok(Some(g)) => g,
         Ok(None) => match wait_for_image(store, &path, &label, deadline, no_wait) {

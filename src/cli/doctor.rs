@@ -5,6 +5,7 @@ use anyhow::Result;
 use super::duration::TimeOption;
 use crate::doctor::{self, Verdict};
 use crate::error::code;
+use crate::ident::STOWAGE;
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -38,10 +39,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         Err(e)
             if matches!(
                 crate::error::typed(&e),
-                Some(crate::Error::NoRoot(_) | crate::Error::NotAStore { .. })
+                Some(crate::Error::NoRoot { .. } | crate::Error::NotAStore { .. })
             ) =>
         {
-            complain!("stowage: {e}");
+            complain!("stowage: {}", super::init::with_refusal(e));
             return Ok(code::FAILURE);
         }
         other => other?,
@@ -64,7 +65,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         // (A repair needs write access: no advice to someone without it.)
         let writable = !report.checks.iter().any(|c| c.check == "access");
         if report.repairable && !args.repair && report.locking && writable {
-            out.push_str("run 'stowage doctor --repair' to fix what is safe to fix\n");
+            out.push_str(&format!(
+                "run '{STOWAGE} doctor --repair' to fix what is safe to fix\n"
+            ));
         }
         super::print(&out)?;
     }

@@ -8,6 +8,7 @@ use nix::unistd::AccessFlags;
 
 use crate::adopt::{self, Adopt};
 use crate::config::Config;
+use crate::ident::STOWAGE;
 use crate::ident::shell_path;
 use crate::image_record::ImagesDir;
 use crate::root::{Root, make_dir};
@@ -129,7 +130,7 @@ fn adopt_found(
         .flatten()
     {
         let (trees, at) = (orphans.trees.len(), at.display());
-        store.ctx().say(&format!("not adopting {trees} tree(s) in {}: {n} image record(s) are set aside in {at}, which may be theirs ('stowage doctor' says what to do)", dir.display()));
+        store.ctx().say(&format!("not adopting {trees} tree(s) in {}: {n} image record(s) are set aside in {at}, which may be theirs ('{STOWAGE} doctor' says what to do)", dir.display()));
         orphans.trees.clear();
     }
     let as_ready = how == Adopt::AsReady && !orphans.trees.is_empty();
@@ -208,7 +209,7 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
     if !left.is_empty() {
         let (parts, doc) = (sharing::list(&left, 3), crate::error::GROUP_STORE_DOC);
         bail!(
-            "root {at} is shared with group {label}, but not every part: {parts} (their owners or root can run 'stowage doctor --repair'; {doc})"
+            "root {at} is shared with group {label}, but not every part: {parts} (their owners or root can run '{STOWAGE} doctor --repair'; {doc})"
         );
     }
     let said = format!("root {at} shared with group {label}: every part is group-writable");
@@ -325,15 +326,68 @@ fn charliecloud_storage(dir: &Path) -> bool {
         && dir.join("img").is_dir()
 }
 
-/// Refuses, before a store is made at the root, a directory that is no place for stowage's files:
-/// the filesystem's root, a home, the system's, or a builder's storage (ch-image would stop).
+/// A root that is no store, said with why `init` would refuse to make one there (if it would): the
+/// hint to run it would only lead to that refusal.
+pub fn with_refusal(e: anyhow::Error) -> anyhow::Error {
+    let refusal = |dir: &Path| {
+        let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+        crate::root::inside_another_store(&real, true, &real)
+            .or_else(|| no_root_reason(dir).map(|(what, tail)| format!("it is {what}; {tail}")))
+            .or_else(|| {
+                Root::at(dir)
+                    .refuse_claimed_img()
+                    .err()
+                    .map(|e| format!("{e:#}"))
+            })
+    };
+    // Only these two, taken out whole: a downcast of a context would drop what it wraps.
+    let no_store = matches!(
+        e.downcast_ref::<crate::Error>(),
+        Some(
+            crate::Error::NoRoot { refused: None, .. }
+                | crate::Error::NotAStore { refused: None, .. }
+        )
+    );
+    if !no_store || e.chain().count() > 1 {
+        return e;
+    }
+    match e.downcast::<crate::Error>() {
+        Ok(crate::Error::NoRoot { dir, refused: None }) => {
+            let refused = refusal(&dir);
+            crate::Error::NoRoot { dir, refused }.into()
+        }
+        Ok(crate::Error::NotAStore {
+            dir,
+            held,
+            refused: None,
+        }) => {
+            let refused = refusal(&dir);
+            crate::Error::NotAStore { dir, held, refused }.into()
+        }
+        Ok(other) => other.into(),
+        Err(e) => e,
+    }
+}
+
+/// Refuses, before a store is made at the root, a directory that is no place for stowage's files.
 fn refuse_what_is_no_root(root: &Root) -> Result<()> {
     if root.holds_store() {
         return Ok(());
     }
-    let dir = root.dir();
+    match no_root_reason(root.dir()) {
+        Some((what, tail)) => bail!(
+            "refusing {} as the root: it is {what}; {tail}",
+            root.dir().display()
+        ),
+        None => Ok(()),
+    }
+}
+
+/// Why `dir` is no place for stowage's files, and what to give instead: the filesystem's root, a
+/// home, the system's, or a builder's storage (ch-image would stop).
+fn no_root_reason(dir: &Path) -> Option<(String, String)> {
     let own = "give a directory of the store's own (a new or empty one)".to_owned();
-    let what = [lexical(dir), resolved(dir)].iter().find_map(|d| {
+    [lexical(dir), resolved(dir)].iter().find_map(|d| {
         Some(if d == Path::new("/") {
             ("the root of the filesystem".to_owned(), own.clone())
         } else if is_home(d) {
@@ -357,14 +411,7 @@ fn refuse_what_is_no_root(root: &Root) -> Result<()> {
         } else {
             return None;
         })
-    });
-    match what {
-        Some((what, tail)) => bail!(
-            "refusing {} as the root: it is {what}; {tail}",
-            dir.display()
-        ),
-        None => Ok(()),
-    }
+    })
 }
 
 /// `dir` with `.` and `..` taken out as written (`/tmp/../usr/x` is `/usr/x`).
@@ -545,9 +592,9 @@ fn adopted_note(adopted: usize, how: Adopt) -> String {
     let s = if adopted == 1 { "" } else { "s" };
     let how = match how {
         Adopt::AsReady => "ready",
-        Adopt::Unknown => {
-            "incomplete (whether complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
-        }
+        Adopt::Unknown => &format!(
+            "incomplete (whether complete is not known; '{STOWAGE} exec --write NAME -- true' marks one ready)"
+        ),
     };
     let note = format!("; adopted {adopted} existing image{s} as {how}");
     if adopted == 0 { String::new() } else { note }

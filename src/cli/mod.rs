@@ -117,7 +117,7 @@ pub fn main() -> ExitCode {
         Err(e) => return parse_failure(e, &args),
     };
     // SIGPIPE stays ignored: an exec outlives a gone reader to record its outcome.
-    let result = run(cli);
+    let result = run(cli).map_err(init::with_refusal);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
     exit_with(result)
@@ -129,7 +129,7 @@ fn exit_with(result: Result<u8>) -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             if !matches!(error::typed(&e), Some(Error::ReaderGone)) {
-                complain!("stowage: {}{}", one_line(&e), advice(&e));
+                complain!("stowage: {}{}", error::one_line(&e), advice(&e));
             }
             ExitCode::from(error::exit_code(&e))
         }
@@ -255,27 +255,6 @@ pub(crate) fn json_text(doc: &impl serde::Serialize, pretty: bool) -> Result<Str
         }
     }
     Ok(out)
-}
-
-/// The error chain on one line, outermost first, minus causes whose words are already there (SQLite
-/// repeats its message as the source: "database is locked: Error code 5: database is locked").
-fn one_line(err: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in err.chain() {
-        let text = cause.to_string();
-        let words = match text.split_once(": ") {
-            Some((head, rest)) if head.starts_with("Error code ") => rest,
-            _ => text.as_str(),
-        };
-        if line.contains(words) {
-            continue;
-        }
-        if !line.is_empty() {
-            line.push_str(": ");
-        }
-        line.push_str(&text);
-    }
-    line
 }
 
 /// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with

@@ -40,23 +40,44 @@ pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
         .context("cannot write the completion script")
 }
 
-/// `stowage man DIR`: stowage.1 and one page per subcommand.
+/// `stowage man DIR`: stowage.1 and one page per subcommand, subcommands of subcommands too (a
+/// page's SEE ALSO names them all).
 pub fn write_man_pages(mut cmd: Command, dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    cmd = without_help(cmd);
     cmd.build();
-    let mut written = vec![write_page(&cmd, "stowage", dir)?];
+    let mut written = Vec::new();
+    write_pages(&cmd, "stowage", dir, &mut written)?;
+    Ok(written)
+}
+
+/// `cmd` without the `help` subcommands clap adds: `--help` is on every page, and a page named for
+/// one would only repeat its parent's.
+fn without_help(cmd: Command) -> Command {
+    let subs: Vec<String> = cmd
+        .get_subcommands()
+        .map(|s| s.get_name().to_owned())
+        .collect();
+    let cmd = cmd.disable_help_subcommand(true);
+    subs.into_iter()
+        .fold(cmd, |cmd, sub| cmd.mut_subcommand(sub, without_help))
+}
+
+/// `cmd`'s page as `name`, then its subcommands' as `name-SUB`, recursively.
+fn write_pages(cmd: &Command, name: &str, dir: &Path, written: &mut Vec<PathBuf>) -> Result<()> {
+    written.push(write_page(cmd, name, dir)?);
     for sub in cmd
         .get_subcommands()
         .filter(|s| !s.is_hide_set() && s.get_name() != "help")
     {
-        let name = format!("stowage-{}", sub.get_name());
-        let sub = sub.clone().name(name.clone());
-        written.push(write_page(&sub, &name, dir)?);
+        let name = format!("{name}-{}", sub.get_name());
+        write_pages(&sub.clone().name(name.clone()), &name, dir, written)?;
     }
-    Ok(written)
+    Ok(())
 }
 
 fn write_page(cmd: &Command, name: &str, dir: &Path) -> Result<PathBuf> {
+    let cmd = &cmd.clone().override_usage(synopsis(cmd));
     let man = clap_mangen::Man::new(cmd.clone())
         .title(name.to_uppercase())
         .section("1")
@@ -215,4 +236,44 @@ fn completion_root() -> Option<Root> {
     }
     let root = Root::resolve(flag.as_deref()).ok()?;
     root.image_locks().is_dir().then_some(root)
+}
+
+/// The SYNOPSIS line with each option's value names and the `--` before the command: clap_mangen's
+/// own drops both, and `exec` is unusable without the `--`.
+fn synopsis(cmd: &Command) -> String {
+    let name = cmd.get_bin_name().unwrap_or_else(|| cmd.get_name());
+    let mut words = vec![name.to_owned()];
+    // Options first, the command's operands (and the `--`) last, as one types them.
+    let args = cmd
+        .get_arguments()
+        .filter(|a| !a.is_hide_set() && !a.is_positional());
+    for arg in args.chain(cmd.get_positionals().filter(|a| !a.is_hide_set())) {
+        let values = arg.get_value_names().map(|v| v.join(" "));
+        let word = if arg.is_positional() {
+            let many = arg.get_num_args().is_some_and(|n| n.max_values() > 1);
+            let v = values.unwrap_or_else(|| arg.get_id().to_string());
+            let v = format!("<{v}>{}", if many { "..." } else { "" });
+            if arg.is_last_set() {
+                format!("-- {v}")
+            } else {
+                v
+            }
+        } else {
+            let flag = match (arg.get_short(), arg.get_long()) {
+                (Some(s), Some(l)) => format!("-{s}|--{l}"),
+                (Some(s), None) => format!("-{s}"),
+                (None, Some(l)) => format!("--{l}"),
+                (None, None) => continue,
+            };
+            match values.filter(|_| arg.get_action().takes_values()) {
+                Some(v) => format!("{flag} {v}"),
+                None => flag,
+            }
+        };
+        words.push(match arg.is_required_set() {
+            true => word,
+            false => format!("[{word}]"),
+        });
+    }
+    words.join(" ")
 }

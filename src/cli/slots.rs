@@ -5,6 +5,7 @@ use clap::Subcommand;
 use serde::Serialize;
 
 use crate::holders::Party;
+use crate::ident::STOWAGE;
 use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
 use crate::store::Store;
 
@@ -123,7 +124,7 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         let why = match slots::read_class(&root, class) {
             Err(e) => format!("{e:#}"),
             Ok(Class::Damaged) => format!(
-                "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
+                "the limits of slot class '{class}' are damaged; set them again with '{STOWAGE} slots set {class} LIMIT'"
             ),
             Ok(Class::Emptied) => slots::emptied(&root, class),
             Ok(_) => continue,
@@ -154,9 +155,10 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         return Ok(0);
     }
     if reports.is_empty() {
-        let none =
-            "no slot classes; add one with 'stowage slots set CLASS LIMIT [--reserve-high N]'\n";
-        return super::print(none).map(|()| 0);
+        let none = format!(
+            "no slot classes; add one with '{STOWAGE} slots set CLASS LIMIT [--reserve-high N]'\n"
+        );
+        return super::print(&none).map(|()| 0);
     }
     let head = ["CLASS", "LIMIT", "RESERVE HIGH", "IN USE", "WAITING"];
     let mut rows = vec![head.map(String::from)];

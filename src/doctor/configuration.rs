@@ -15,6 +15,7 @@ use crate::root::Root;
 
 use super::Report;
 use super::Verdict::{Problem, Repaired};
+use crate::ident::STOWAGE;
 
 /// Checks the configuration; returns whether it can be used now.
 pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
@@ -32,7 +33,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let images = match from_records(root) {
         Ok(images) => images,
         Err(doubt) => {
-            report.add("config", Problem, format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"));
+            report.add("config", Problem, format!("{why}; it is not written anew because {doubt}: set it aside and run '{STOWAGE} init --images-dir DIR' with the images directory the records name"));
             return Ok(false);
         }
     };
@@ -43,12 +44,12 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {
         Ok(ours) => ours,
         Err(whose) => {
-            report.add("config", Problem, format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it", crate::ident::shell_path(&in_records)));
+            report.add("config", Problem, format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, '{STOWAGE} init --images-dir {}' records it", crate::ident::shell_path(&in_records)));
             return Ok(false);
         }
     };
     if !repair {
-        report.by_repair().add("config", Problem, format!("{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
+        report.by_repair().add("config", Problem, format!("{why}; '{STOWAGE} doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
         return Ok(false);
     }
     let aside = match dir.set_aside(config::FILE, "damaged") {

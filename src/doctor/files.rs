@@ -17,6 +17,7 @@ use crate::slot_limits::Kind;
 
 use super::Report;
 use super::Verdict::{Problem, Repaired};
+use crate::ident::{Hint, STOWAGE};
 
 /// The files stowage keeps in a directory of the layout, by name.
 type Wanted = fn(&str) -> bool;
@@ -120,7 +121,7 @@ pub(super) fn class_records(root: &Root, report: &mut Report) {
             .slot_class_dir(&class)
             .join(Kind::Normal(0).file_name());
         let shown = path.display();
-        report.add("slots", Problem, format!("the limits of slot class '{class}' in {shown} are damaged: 'stowage exec --slot {class}' is refused until they are set again with 'stowage slots set {class} LIMIT'"));
+        report.add("slots", Problem, format!("the limits of slot class '{class}' in {shown} are damaged: '{STOWAGE} exec --slot {class}' is refused until they are set again with '{STOWAGE} slots set {class} LIMIT'"));
     }
 }
 
@@ -143,7 +144,7 @@ fn shared_record(path: &Path, report: &mut Report) {
     report.add("files", Problem, format!("{shown} is a hard link: its image's record is shared with another name (a store copied with 'cp -al'?), so the image is read but not written or removed here; while nothing uses this store, give it a file of its own: cp {p} {own} && mv {own} {p}"));
 }
 
-fn what_it_replaced(path: &Path) -> &'static str {
+fn what_it_replaced(path: &Path) -> Hint {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let dir = path
         .parent()
@@ -151,13 +152,13 @@ fn what_it_replaced(path: &Path) -> &'static str {
         .and_then(|n| n.to_str())
         .unwrap_or("");
     if name.ends_with(".lock") && dir == "images" {
-        " (an image's record was kept there: its tree, if any, is adopted as incomplete)"
+        Hint(" (an image's record was kept there: its tree, if any, is adopted as incomplete)")
     } else if name == "0.lock" || (dir == "slots" && !name.contains('.')) {
-        " (a slot class's limits were kept there: set them again with 'stowage slots set')"
+        Hint(" (a slot class's limits were kept there: set them again with 'stowage slots set')")
     } else if name == crate::config::FILE {
-        " (the store's configuration: written anew from the images' records)"
+        Hint(" (the store's configuration: written anew from the images' records)")
     } else {
-        ""
+        Hint("")
     }
 }
 
@@ -247,7 +248,7 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };
     if !repair {
-        report.by_repair().add(check, Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
+        report.by_repair().add(check, Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; '{STOWAGE} doctor --repair' makes it {want:03o}"));
         return;
     }
     let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");

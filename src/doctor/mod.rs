@@ -32,6 +32,7 @@ use crate::store::Store;
 mod configuration;
 mod files;
 
+use crate::ident::{Hint, STOWAGE};
 use Verdict::{Info, Problem, Repaired};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -126,7 +127,7 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
         .set_contents(format!("{host}\t{pid}\t{since}\n").as_bytes())
         .with_context(|| format!("cannot write {shown}"))?;
     let secs_f = secs.as_secs_f64();
-    ctx.say(&format!("holding the probe lock {shown} on host {host} for {secs_f:.0} s: run 'stowage doctor' on another host sharing this root now"));
+    ctx.say(&format!("holding the probe lock {shown} on host {host} for {secs_f:.0} s: run '{STOWAGE} doctor' on another host sharing this root now"));
     std::thread::sleep(secs);
     Ok(())
 }
@@ -158,7 +159,7 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     let text = probe_text(&path).unwrap_or_default();
     let who = probe_holder(&text);
     if text.split('\t').next() == Some(ctx.me.host.as_str()) {
-        report.add("probe", Info, format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"));
+        report.add("probe", Info, format!("the probe lock is held on this host ({who}); run '{STOWAGE} doctor' on another host to test locks across hosts"));
     } else {
         report.add("probe", Verdict::Ok, format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"));
     }
@@ -279,8 +280,10 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
                         "you are not in the store's group {label}: ask its owner to add you to it"
                     )
                 }
-                Some(_) => "its owner's 'stowage doctor --repair' makes it group-writable",
-                None => "the store's owner can share it: 'stowage init --group GROUP'",
+                Some(_) => {
+                    &format!("its owner's '{STOWAGE} doctor --repair' makes it group-writable")
+                }
+                None => &format!("the store's owner can share it: '{STOWAGE} init --group GROUP'"),
             };
             let doc = crate::error::GROUP_STORE_DOC;
             report.add("access", Problem, format!("cannot create a file in {locks}: {e}: you may not write this store ({owner}); {advice} ({doc})"));
@@ -288,7 +291,7 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
         }
         Err(e) if crate::space::is_full_io(&e) => {
             let locks = root.locks();
-            let (locks, gc) = (locks.display(), "'stowage gc' frees space");
+            let (locks, gc) = (locks.display(), format!("'{STOWAGE} gc' frees space"));
             let detail = format!("not tested: cannot create a file in {locks}: {e} ({gc})");
             report.add("flock", Info, detail);
         }
@@ -320,7 +323,7 @@ fn mount_reach(root: &Root, report: &mut Report) {
                 .map_or_else(String::new, |m| format!("{}: ", m.mount_point.display()));
             report.add("mount", Problem, format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"));
         }
-        filesystem::Reach::Unknown { why } => report.add("mount", Info, format!("{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute")),
+        filesystem::Reach::Unknown { why } => report.add("mount", Info, format!("{why}; to check, run '{STOWAGE} doctor --hold-probe 60' on one host and '{STOWAGE} doctor' on another within the minute")),
         filesystem::Reach::ClusterWide => {
             if let Some(m) = mount.or_else(|| filesystem::mount_of(root.dir())) {
                 let (at, fstype, source) = (m.mount_point.display(), &m.fstype, &m.source);
@@ -399,7 +402,7 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             format!(" — {}", crate::planted::IMG_LINK)
         } else {
             report.by_repair();
-            format!(" — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew{kept}")
+            format!(" — stowage will not use it; '{STOWAGE} doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew{kept}")
         };
         report.add("layout", Problem, format!("{shown} is {bad}{target}{advice}"));
         false
@@ -417,7 +420,9 @@ fn held_back_advice(place: &Path) -> String {
 
 /// What goes on without a catalog that cannot be used, and how it is put right.
 const FROM_RECORDS: &str = "images are still used and listed, from their records";
-const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost";
+const DERIVED: Hint = Hint(
+    "it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
+);
 
 /// The catalog's check; with `repair` one that cannot be used is set aside and made anew.
 fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
@@ -672,7 +677,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     };
     let name = name.unwrap_or_else(|| "NAME".into());
     report.naming("records", Problem, &files, |files| {
-        format!("the record in {files} cannot be read, so {them}; 'stowage exec --write {name} -- true' marks one ready again, 'stowage rm {name}' removes it")
+        format!("the record in {files} cannot be read, so {them}; '{STOWAGE} exec --write {name} -- true' marks one ready again, '{STOWAGE} rm {name}' removes it")
     });
     removals(store.ctx(), &entries, repair, report);
     let (restored, left) = crate::gc::restore_loans(&root, &entries, repair);
@@ -683,7 +688,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let (refused, left): (Vec<_>, Vec<_>) = left.into_iter().partition(|(_, why)| why.is_some());
     let left: Vec<String> = left.into_iter().map(|(name, _)| name).collect();
     report.naming("loans", Problem, &left, |names| {
-        format!("the trees of {names} keep modes a killed copy lent (its owner's read or search bits): the next copy of each, 'stowage gc' or 'stowage doctor --repair' restores them")
+        format!("the trees of {names} keep modes a killed copy lent (its owner's read or search bits): the next copy of each, '{STOWAGE} gc' or '{STOWAGE} doctor --repair' restores them")
     });
     // Tried and refused: the reason names who must act instead (another user's loans).
     for (name, why) in refused {
@@ -700,10 +705,10 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .partition(|r| r.outcome.as_deref() == Some(ADOPTED));
     let names = |rs: Vec<&Record>| -> Vec<String> { rs.iter().map(|r| r.name.clone()).collect() };
     report.naming("images", Info, &names(failed), |names| {
-        format!("{names} incomplete: their writers failed or died; 'stowage gc' removes them")
+        format!("{names} incomplete: their writers failed or died; '{STOWAGE} gc' removes them")
     });
     report.naming("images", Info, &names(adopted), |names| {
-        format!("{names} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)")
+        format!("{names} adopted without a record: whether complete is not known, so kept ('{STOWAGE} exec --write NAME -- true' marks one ready)")
     });
     hints(store, &entries, repair, report);
     Ok(())
@@ -720,8 +725,8 @@ fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
     });
     report.repairable |= !done.busy.is_empty();
     report.naming("removals", Problem, &done.busy, |names| match repair {
-        false => format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it"),
-        true => format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it"),
+        false => format!("removal of {names} was interrupted; '{STOWAGE} gc' or '{STOWAGE} doctor --repair' finishes it"),
+        true => format!("removal of {names} was interrupted, and its lock is held now: a later '{STOWAGE} gc' or '{STOWAGE} doctor --repair' finishes it"),
     });
     report.naming("removals", Repaired, &done.finished, |names| {
         format!("finished the interrupted removal of {names}")
@@ -775,7 +780,7 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
     let dir = config.images.path_in(root.dir());
     let shown = dir.display();
     if !repair {
-        report.add("claim", Info, format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
+        report.add("claim", Info, format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('{STOWAGE} doctor --repair' marks it)"));
         return;
     }
     match crate::images_dir::claim(root, config, false, images) {
@@ -804,7 +809,7 @@ fn outside_images_dir(
     match lacks {
         Ok(None) => {}
         Err(e) => report.add("sharing", Problem, format!("{e:#}")),
-        Ok(Some(lacks)) if !repair => report.by_repair().add("sharing", Problem, format!("images directory {shown} {lacks}: members cannot use what others make in it ('stowage doctor --repair' by its owner or root gives it group {label})")),
+        Ok(Some(lacks)) if !repair => report.by_repair().add("sharing", Problem, format!("images directory {shown} {lacks}: members cannot use what others make in it ('{STOWAGE} doctor --repair' by its owner or root gives it group {label})")),
         Ok(Some(_)) => match sharing::images_dir_to_group(images, dir, gid) {
             Ok(()) => report.add("sharing", Repaired, format!("gave images directory {shown} group {label} and group write (setgid, no default ACL)")),
             Err(e) => report.add("sharing", Problem, format!("{e:#}")),
@@ -842,7 +847,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     // Each entry's type as the listing gives it: a tree that is no directory costs no stat.
     let listed: HashMap<_, _> = listed?.into_iter().map(|e| (e.name, e.kind)).collect();
     if listed.is_empty() && entries.iter().any(stand) {
-        report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
+        report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, '{STOWAGE} rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
     }
     if repair {
@@ -873,7 +878,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     }
     no_directory(&images, &dir, &not_trees, report);
     if !foreign.is_empty() {
-        report.add("images", Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
+        report.add("images", Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with '{STOWAGE} rm'", list(&foreign), dir.display()));
     }
     missing_trees(store.ctx(), &gone, repair, report);
     let mut orphans = adopt::orphans(&images, &dir, &named, false)?;
@@ -916,7 +921,7 @@ fn orphan_trees(
         };
         report.repairable |= !orphaned.is_empty();
         report.naming("images", Problem, &orphaned, |names| {
-            format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them} as {state}")
+            format!("{names} in {shown} {have} no record; '{STOWAGE} doctor --repair' adopts {them} as {state}")
         });
         return Ok(());
     }
@@ -931,7 +936,7 @@ fn orphan_trees(
     report.naming("images", Repaired, &done.names, |names| {
         let why = match config.adopting {
             true => "an init adopting them so was interrupted",
-            false => "whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)",
+            false => &format!("whether complete is not known, so they are kept ('{STOWAGE} exec --write NAME -- true' marks one ready)"),
         };
         format!("adopted {n} tree(s) without a record ({names}) as {state}: {why}")
     });
@@ -1026,7 +1031,7 @@ fn no_directory(images: &Dir, dir: &Path, found: &[(ImageName, u8)], report: &mu
             |t| format!(" (to {})", Path::new(&t).display()),
         );
         let tree = dir.join(enc);
-        report.add("images", Problem, format!("image '{n}' is recorded, but its tree {} is {what}{to}, not a directory: a read of it finds no image tree; it is left as it is (a repair deletes nothing it did not make): move it away and write the image anew, or 'stowage rm {n}'", tree.display()));
+        report.add("images", Problem, format!("image '{n}' is recorded, but its tree {} is {what}{to}, not a directory: a read of it finds no image tree; it is left as it is (a repair deletes nothing it did not make): move it away and write the image anew, or '{STOWAGE} rm {n}'", tree.display()));
     }
 }
 
@@ -1039,7 +1044,7 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
         };
         report.repairable |= !gone.is_empty();
         report.naming("images", Problem, gone, |names| {
-            format!("{names} {have} but no tree; 'stowage doctor --repair' drops {them}")
+            format!("{names} {have} but no tree; '{STOWAGE} doctor --repair' drops {them}")
         });
         return;
     }
@@ -1074,7 +1079,7 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
         format!("dropped the records of {names}, whose trees are gone")
     });
     report.naming("images", Problem, &busy, |names| {
-        format!("{names} have records but no tree, and their locks are held now: a later 'stowage doctor --repair' drops their records")
+        format!("{names} have records but no tree, and their locks are held now: a later '{STOWAGE} doctor --repair' drops their records")
     });
 }
 

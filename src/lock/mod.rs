@@ -34,6 +34,7 @@ use crate::error::{cvt, locked};
 
 mod wait;
 
+use crate::ident::STOWAGE;
 use wait::block;
 pub use wait::{
     REMOTE_REARM, Reconnect, Wait, Waited, Waker, Woke, before_waiting, disarm_wake_signal,
@@ -899,7 +900,7 @@ fn denied(path: &Path) -> String {
     let owner = store.as_ref().map(MetadataExt::uid) == Some(nix::unistd::geteuid().as_raw());
     if let (true, Some(root)) = (owner, root) {
         return owner_kept_out(root, dir, path).unwrap_or_else(|| {
-            format!("{said}: yours, but not writable by you; 'stowage doctor --repair' gives it its mode back")
+            format!("{said}: yours, but not writable by you; '{STOWAGE} doctor --repair' gives it its mode back")
         });
     }
     match store {
@@ -914,7 +915,7 @@ fn denied(path: &Path) -> String {
                 crate::planted::group_store_part(c, m.uid(), m.gid())
             });
             let why =
-                why.unwrap_or_else(|| "its owner's 'stowage doctor --repair' fixes it".into());
+                why.unwrap_or_else(|| format!("its owner's '{STOWAGE} doctor --repair' fixes it"));
             let mode = std::fs::metadata(cause).map_or_else(
                 |e| format!(": {e}"),
                 |m| format!(" (mode {:o})", m.mode() & 0o7777),
@@ -922,7 +923,7 @@ fn denied(path: &Path) -> String {
             format!("{}{mode}: {why} ({doc})", cause.display())
         }
         Some(m) => format!(
-            "{}: you may not write this store (uid {}'s, not shared); its owner can run 'stowage init --group GROUP' ({doc})",
+            "{}: you may not write this store (uid {}'s, not shared); its owner can run '{STOWAGE} init --group GROUP' ({doc})",
             path.display(),
             m.uid()
         ),

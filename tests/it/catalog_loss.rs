@@ -817,7 +817,10 @@ fn a_catalog_whose_mode_was_taken_gets_it_back_from_a_repair() {
     fs::set_permissions(&db, fs::Permissions::from_mode(0o000)).unwrap();
     let out = unprivileged(&env, &["images"]);
     assert!(
-        stderr(&out).contains("'stowage doctor --repair' gives it back its mode"),
+        stderr(&out).contains(&format!(
+            "'stowage --root {} doctor --repair' gives it back its mode",
+            env.root.display()
+        )),
         "{}",
         show(&out)
     );

@@ -1309,7 +1309,10 @@ fn a_write_refused_over_lost_found_does_not_advise_a_repair_that_never_adopts_it
 fn doctor_sends_to_a_repair_only_what_a_repair_puts_right() {
     let env = Env::new();
     env.make_image("app");
-    let advice = "run 'stowage doctor --repair'";
+    let advice = &format!(
+        "run 'stowage --root {} doctor --repair'",
+        env.root.display()
+    );
     let elsewhere = env.sentinel("second-name");
     fs::hard_link(env.lock_file("app"), &elsewhere).unwrap();
     let out = env.run(["doctor"]);

@@ -1163,17 +1163,57 @@ fn a_read_of_an_image_not_ready_says_why() {
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     fs::create_dir_all(env.root.join("img/found")).unwrap();
     env.ok(["doctor", "--repair"]);
+    let unknown = format!(
+        "readiness unknown: 'stowage --root {} exec --write found -- true' marks it ready",
+        env.root.display()
+    );
     for (name, why) in [
         ("failed", "incomplete, its writer's outcome: exit 1"),
-        (
-            "found",
-            "readiness unknown: 'stowage exec --write found -- true' marks it ready",
-        ),
+        ("found", unknown.as_str()),
     ] {
         let out = env.run(["exec", "--read", name, "--", "true"]);
         assert_eq!(code(&out), Some(66), "{}", show(&out));
         assert!(stderr(&out).contains(why), "{name}: {}", show(&out));
     }
+}
+
+/// A hint naming a stowage command names the root as it was given: run as
+/// shown, the command acts on this store, not on the default one. Before,
+/// "'stowage exec --write found -- true' marks it ready" and "'stowage
+/// doctor --repair' sets it aside" left `--root` out.
+#[test]
+fn a_hint_names_the_root_it_was_given() {
+    let env = Env::new();
+    env.make_image("app");
+    fs::create_dir_all(env.root.join("img/found")).unwrap();
+    env.ok(["doctor", "--repair"]);
+    let out = env.run(["exec", "--read", "found", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let err = stderr(&out);
+    let hint = (err.split('\'').find(|s| s.starts_with("stowage "))).unwrap_or_default();
+    let root = env.root.display().to_string();
+    assert!(
+        hint.starts_with("stowage --root ") && hint.contains(&root),
+        "{err}"
+    );
+    // Run as shown, with no STOWAGE_ROOT to fall back on.
+    let bin_dir = std::path::Path::new(bin()).parent().unwrap();
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap());
+    let ran = Command::new("sh")
+        .args(["-c", hint])
+        .env("PATH", path)
+        .env_remove("STOWAGE_ROOT")
+        .status()
+        .unwrap();
+    assert!(ran.success(), "{hint}");
+    assert_eq!(env.state("found").as_deref(), Some("ready"));
+    // A planted lock file: the refusal's fix names the root too.
+    fs::remove_file(env.lock_file("app")).unwrap();
+    fs::create_dir(env.lock_file("app")).unwrap();
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let fix = format!("'stowage --root {root} doctor --repair' sets it aside");
+    assert!(stderr(&out).contains(&fix), "{}", show(&out));
 }
 
 /// A command that cannot be started (a typo, a directory, a file without

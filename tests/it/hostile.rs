@@ -1211,7 +1211,7 @@ fn removals_and_repair_work_on_a_full_filesystem_without_a_reserve() {
     let said = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(
-        said.contains("cannot adopt") && said.contains("'orphan'") && said.contains("stowage gc"),
+        said.contains("cannot adopt") && said.contains("'orphan'") && said.contains(" gc'"),
         "{}",
         show(&out)
     );

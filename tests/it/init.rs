@@ -1329,3 +1329,45 @@ fn init_names_something_planted_at_a_lock_of_the_layout() {
         env.ok(["init"]);
     }
 }
+
+/// A root that holds no store, where `init` would refuse to make one (an
+/// images directory of a store, a directory inside one), is not sent to
+/// `init`: the line says why no store can be made there. Before, it said
+/// "'stowage --root R/img init' makes it one", and that init was refused.
+#[test]
+fn a_root_init_would_refuse_is_not_sent_to_init() {
+    let env = Env::new();
+    env.make_image("app");
+    let img = env.root.join("img");
+    let inside = img.join("new");
+    for (dir, said) in [(&img, "holds no store"), (&inside, "does not exist")] {
+        let out = output({
+            let mut c = Command::new(bin());
+            c.arg("--root").arg(dir).arg("images");
+            c
+        });
+        assert_eq!(code(&out), Some(66), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(said), "{err}");
+        assert!(!err.contains(" init'"), "{err}");
+        assert!(
+            err.contains(&format!("of the store at {}", env.root.display())),
+            "{err}"
+        );
+        // And init does refuse it.
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(dir).arg("init");
+        let out = output(c);
+        assert_ne!(code(&out), Some(0), "{}", show(&out));
+    }
+    assert!(!inside.exists());
+    // An empty directory anywhere else is still sent to init, which makes
+    // a store there.
+    let empty = env.tmp.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&empty).arg("images");
+    let out = output(c);
+    let init = format!("'stowage --root {} init' makes it one", empty.display());
+    assert!(stderr(&out).contains(&init), "{}", show(&out));
+}

@@ -853,7 +853,8 @@ fn a_record_naming_another_images_directory_is_dropped_by_rm_alone() {
         assert_eq!(report["removed"], serde_json::json!([]), "dry run {dry}");
     }
     let out = env.run(["doctor"]);
-    assert!(stdout(&out).contains("'stowage rm'"), "{}", show(&out));
+    let rm = format!("'stowage --root {} rm'", env.root.display());
+    assert!(stdout(&out).contains(&rm), "{}", show(&out));
     let out = env.ok(["rm", "bad"]);
     assert!(stderr(&out).contains("is left as it is"), "{}", show(&out));
     assert_eq!(env.state("bad"), None);

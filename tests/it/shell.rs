@@ -213,3 +213,43 @@ fn man_pages_render_without_warnings() {
     assert!(exec.contains("no\\-inherit"), "exec page lacks its flags");
     assert!(!env.root.exists(), "writing man pages touched a store");
 }
+
+/// Every page another page names is written: `stowage-slots(1)` names
+/// `stowage-slots-set(1)` and `stowage-slots-rm(1)`, which say what
+/// `slots set` takes. The SYNOPSIS keeps value names and the `--` before
+/// exec's command. Before, only top-level subcommands had pages, and the
+/// SYNOPSIS read `[--read] ... <CMD>`.
+#[test]
+fn every_man_page_named_is_written() {
+    let env = Env::new();
+    let dir = env.tmp.path().join("man");
+    let out = output({
+        let mut c = Command::new(bin());
+        c.arg("man").arg(&dir);
+        c
+    });
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let pages: Vec<String> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for page in &pages {
+        let source = fs::read_to_string(dir.join(page)).unwrap();
+        // A reference is "stowage\-NAME(1)".
+        for before in source.split("(1)") {
+            let at = before
+                .rfind(|c: char| !(c.is_ascii_lowercase() || c == '\\' || c == '-'))
+                .map_or(0, |i| i + 1);
+            let named = before[at..].replace("\\-", "-");
+            if named.starts_with("stowage") {
+                let file = format!("{named}.1");
+                assert!(pages.contains(&file), "{page} names {file}: {pages:?}");
+            }
+        }
+    }
+    let set = fs::read_to_string(dir.join("stowage-slots-set.1")).unwrap();
+    assert!(set.contains("reserve\\-high"), "{set}");
+    let exec = fs::read_to_string(dir.join("stowage-exec.1")).unwrap();
+    assert!(exec.contains("[\\-\\-read IMG]"), "{exec}");
+    assert!(exec.contains("\\-\\- <CMD>..."), "{exec}");
+}

@@ -180,6 +180,87 @@ fn a_killed_store_wide_holder_blocks_nobody() {
     assert!(out.status.success(), "{}", show(&out));
 }
 
+/// A hold waiting for one image's user stops new users of every image, not
+/// only of those it has reached: images `a` and `b` are both in use, the
+/// hold waits for the first it lists, the other's user ends, and a new user
+/// of that other image then waits for the hold instead of running first.
+/// Before, the hint was set on each lock file only when the hold's turn
+/// came to it, so the late user ran at once and the hold waited for it.
+#[test]
+fn a_waiting_hold_stops_new_users_of_images_it_has_not_reached() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let user_a = env.hold_until(&["--read", "a"], "a-user", "a-go");
+    let user_b = env.hold_until(&["--read", "b"], "b-user", "b-go");
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_until("the hold waits for 'a' or 'b'", || {
+        flock_waited_on(&env.lock_file("a")) || flock_waited_on(&env.lock_file("b"))
+    });
+    // The image the hold waits for stays in use; the other one's user ends.
+    let (waited, other, other_user) = if flock_waited_on(&env.lock_file("a")) {
+        ("a", "b", user_b)
+    } else {
+        ("b", "a", user_a)
+    };
+    env.release(&format!("{other}-go"));
+    assert_eq!(code(&other_user.finish()), Some(0));
+    let mut late = env.spawn([
+        "exec",
+        "--read",
+        other,
+        "--",
+        "sh",
+        "-c",
+        &format!("test -e '{}'", env.sentinel("wide").display()),
+    ]);
+    wait_until("the late user waits for the store or has run", || {
+        flock_waited_on(&store_lock(&env)) || !late.is_running()
+    });
+    assert!(
+        flock_waited_on(&store_lock(&env)),
+        "a new user of '{other}' did not wait for the hold waiting for '{waited}'"
+    );
+    env.release(&format!("{waited}-go"));
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(code(&wide.finish()), Some(0));
+    let out = late.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("waiting for the store-wide command to finish"),
+        "{}",
+        show(&out)
+    );
+}
+
+/// A hold killed once it has hinted every lock file, before it waits for
+/// any (or while it waits): nothing stays held; every image is read and
+/// written at once, without waiting.
+#[test]
+fn a_hold_killed_after_hinting_every_image_blocks_nobody() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let (hold, _go) = env.paused(["exec", "--store-wide", "--", "true"], "store-wide-hinted");
+    hold.kill_all();
+    let user = env.hold(&["--read", "a"], "a-user");
+    let waiting = store_wide_hold(&env, "wide", "never");
+    wait_until("the second hold waits for 'a'", || {
+        flock_waited_on(&env.lock_file("a"))
+    });
+    waiting.kill_all();
+    for image in ["a", "b"] {
+        env.ok(["exec", "--no-wait", "--read", image, "--", "true"]);
+    }
+    env.release("release");
+    assert_eq!(code(&user.finish()), Some(0));
+    for image in ["a", "b"] {
+        env.ok(["exec", "--no-wait", "--write", image, "--", "true"]);
+    }
+    env.ok(["doctor"]);
+}
+
 /// A store-wide command that makes the images directory anew (as `ch-image
 /// reset` does) while another program holds the global lock for longer
 /// than any bound: the new directory is recorded once the lock is free, and

@@ -112,9 +112,12 @@ impl Proto {
             Pc::ListInterrupted | Pc::LockInterrupted(_) | Pc::Survey | Pc::Collect(_) => {
                 self.gc(s, p, op)
             }
-            Pc::StoreLock | Pc::Pass(_) | Pc::PassWait(_) | Pc::Forget | Pc::StoreRelease => {
-                self.store_wide(s, p)
-            }
+            Pc::StoreLock
+            | Pc::Hint
+            | Pc::Pass(_)
+            | Pc::PassWait(_)
+            | Pc::Forget
+            | Pc::StoreRelease => self.store_wide(s, p),
             Pc::Choose | Pc::Done | Pc::Command => unreachable!("not a step"),
             _ => self.doctor(s, p),
         }
@@ -827,11 +830,20 @@ impl Proto {
 
     // -- store-wide ----------------------------------------------------------------
 
+    /// The next file of this round (`list2`, hinted together) not yet passed (`list`); once the
+    /// round is done, a new round if the listing shows files not passed, else the command.
     fn next_pass(&self, s: &State, p: usize) -> Pc {
-        let done = s.procs[p].list;
-        (0..self.cfg.images)
-            .find(|&i| s.files[i as usize].is_some() && done & (1 << i) == 0)
-            .map_or(Pc::Spawn, Pc::Pass)
+        let (done, round) = (s.procs[p].list, s.procs[p].list2);
+        let images = 0..self.cfg.images;
+        if let Some(i) = images.clone().find(|&i| round & !done & (1 << i) != 0) {
+            return Pc::Pass(i);
+        }
+        let fresh = |i: u8| s.files[i as usize].is_some() && done & (1 << i) == 0;
+        if images.clone().any(fresh) {
+            Pc::Hint
+        } else {
+            Pc::Spawn
+        }
     }
 
     fn store_wide(&self, s: &mut State, p: usize) {
@@ -843,7 +855,21 @@ impl Proto {
                     return;
                 }
                 Self::take(s, Key::Store, p, EX);
-                s.procs[p].list = 0;
+                (s.procs[p].list, s.procs[p].list2) = (0, 0);
+                s.procs[p].pc = self.next_pass(s, p);
+            }
+            Pc::Hint => {
+                let done = s.procs[p].list;
+                let mut round = 0;
+                for i in 0..self.cfg.images {
+                    if let Some(f) = s.files[i as usize]
+                        && done & (1 << i) == 0
+                    {
+                        Self::set_sw(s, i, f.g, true);
+                        round |= 1 << i;
+                    }
+                }
+                s.procs[p].list2 = round;
                 s.procs[p].pc = self.next_pass(s, p);
             }
             Pc::Pass(i) => {
@@ -852,8 +878,9 @@ impl Proto {
                     s.procs[p].pc = self.next_pass(s, p);
                     return;
                 };
-                Self::set_sw(s, i, f.g, true);
                 if Self::grantable(s, Key::Img(i, f.g), EX) {
+                    // Hinted again under the lock.
+                    Self::set_sw(s, i, f.g, true);
                     s.procs[p].list |= 1 << i;
                     s.procs[p].pc = self.next_pass(s, p);
                 } else if self.enclosing_img(s, p, i).is_some() {

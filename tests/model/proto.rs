@@ -303,7 +303,7 @@ pcs! {
     ListInterrupted LockInterrupted(u8) Survey Collect(u8)
     DocRecords DocHints ClearHint(u8) DocTrees DropMissing(u8) ListOrphans Adopt(u8)
     DocLeftovers UnlinkEmpty(u8)
-    StoreLock Pass(u8) PassWait(u8) Forget StoreRelease
+    StoreLock Hint Pass(u8) PassWait(u8) Forget StoreRelease
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -69,7 +69,8 @@ steps! {
     UnlinkEmpty "unlink-empty" ["doctor::leftovers" "lock::acquire_no_wait" "root::unlink_lock"]
     StoreLock "store-lock" ["store_wide::take" "store_wide::take_raw"
         "nested::enclosing"]
-    Pass "pass" ["store_wide::quiesce" "store_wide::hint_and_pass" "image_record::set_store_wide"]
+    Hint "hint" ["store_wide::quiesce" "store_wide::hint" "image_record::set_store_wide"]
+    Pass "pass" ["store_wide::quiesce" "store_wide::pass" "image_record::set_store_wide"]
     PassWait "pass-wait" ["store_wide::wait_for_image" "lock::acquire"]
     Forget "forget" ["store_wide::forget_deleted" "root::drop_record"]
     StoreRelease "store-release" ["store_wide::release"]
@@ -116,7 +117,7 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
         ),
         (
             "store-wide",
-            "store-lock pass pass-wait spawn command forget store-release",
+            "store-lock hint pass pass-wait spawn command forget store-release",
         ),
         (
             "rm",
