@@ -10,6 +10,7 @@
 //! - `stowage.db` and its journal are checked to be regular files of their own (no link followed,
 //!   no blocking) before SQLite opens them.
 
+use crate::ident::STOWAGE;
 use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -230,7 +231,7 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<Option<std::fs::File>
         Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
     };
     Err(CatalogError(format!(
-        "{what} {} is {kind}, not {}: 'stowage doctor --repair' moves it aside (the catalog is rebuilt from the records)",
+        "{what} {} is {kind}, not {}: '{STOWAGE} doctor --repair' moves it aside (the catalog is rebuilt from the records)",
         path.display(),
         crate::planted::expected(kind)
     ))
@@ -542,7 +543,7 @@ fn wal_trouble(db: &Path, shared: &rusqlite::Error, alone: &rusqlite::Error) -> 
 /// and `doctor --repair` sets it aside with its WAL files.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "catalog {} was switched to WAL by another program and cannot be switched back here: {why}; 'stowage doctor --repair' sets it aside and makes it anew",
+    "catalog {} was switched to WAL by another program and cannot be switched back here: {why}; '{STOWAGE} doctor --repair' sets it aside and makes it anew",
     db.display()
 )]
 pub struct StuckInWal {

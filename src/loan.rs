@@ -21,6 +21,7 @@
 //! - An image's record dropped (removed) empties and unlinks its lend file and the journals it
 //!   names: its loans end with it.
 
+use crate::ident::STOWAGE;
 use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::io::{self, Write as _};
@@ -487,7 +488,7 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
         Some(uid) => Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
-                "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('stowage doctor --repair')"
+                "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('{STOWAGE} doctor --repair')"
             ),
         )),
     }

@@ -14,6 +14,7 @@
 //!   no member can swap a name in it. [`check`] passes over an image whose lock is held
 //!   exclusively; [`repair`] changes an image's directory only under its lock, taken shared.
 
+use crate::ident::STOWAGE;
 use std::fs;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -305,7 +306,7 @@ pub fn refuse_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Re
         let (mode, uid) = (st.st_mode & 0o7777, st.st_uid);
         let (at, path) = (shown.display(), crate::ident::shell_path(shown));
         anyhow::bail!(
-            "images directory {at} (mode {mode:o}, uid {uid}) {lacks}: its owner or root can run 'stowage init --images-dir {path}'"
+            "images directory {at} (mode {mode:o}, uid {uid}) {lacks}: its owner or root can run '{STOWAGE} init --images-dir {path}'"
         );
     }
     Ok(true)

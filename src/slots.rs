@@ -202,7 +202,7 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
 pub fn emptied(root: &Root, class: &str) -> String {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     format!(
-        "slot class '{class}': its limits in {} were emptied, likely by a shell's '>' (use 'flock FILE' or '<>'); 'stowage slots set {class} LIMIT' sets them",
+        "slot class '{class}': its limits in {} were emptied, likely by a shell's '>' (use 'flock FILE' or '<>'); '{STOWAGE} slots set {class} LIMIT' sets them",
         path.display()
     )
 }

@@ -950,7 +950,7 @@ fn orphan_trees(
 /// Says the images whose record a shell's `>` likely erased, what that lost, and the cure.
 fn say_emptied(report: &mut Report, emptied: &[ImageName]) {
     report.naming("images", Info, emptied, |names| {
-        format!("the lock file of {names} is empty while its tree is there: most likely a shell's '>' opened it (as in '9>FILE'; lock it with 'flock FILE CMD' or open it with '<>'), erasing the record, the image's only state; adopted, an image is incomplete and its base is lost: once its tree is known to be whole, 'stowage exec --write NAME -- true' marks it ready")
+        format!("the lock file of {names} is empty while its tree is there: most likely a shell's '>' opened it (as in '9>FILE'; lock it with 'flock FILE CMD' or open it with '<>'), erasing the record, the image's only state; adopted, an image is incomplete and its base is lost: once its tree is known to be whole, '{STOWAGE} exec --write NAME -- true' marks it ready")
     });
 }
 
