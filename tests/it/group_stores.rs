@@ -576,24 +576,12 @@ fn a_killed_copy_says_whose_tree_is_left() {
         "base",
         "for i in 1 2 3; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done",
     );
-    // Where the copier, another uid, may say it paused.
-    let pauses = env.tmp.path().join("pauses");
-    fs::create_dir(&pauses).unwrap();
-    fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
-    let file = pauses.join("paused");
-    let mut c = Command::new("setpriv");
-    c.args(["--reuid=1234", "--regid=100", "--clear-groups", "--"])
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args(["exec", "--write", "new", "--from", "base", "--", "true"])
-        .env(
-            stowage::env::DEBUG_PAUSE,
-            format!("clone-copying:{}", file.display()),
-        )
-        .env_remove("STOWAGE_ROOT");
-    let bg = Bg::from_command(c);
-    wait_for_file(&file);
+    let bg = paused_as(
+        &env,
+        1234,
+        &["--write", "new", "--from", "base"],
+        "clone-copying",
+    );
     bg.kill_all();
     let out = as_member(&env, &["rm", "new"]);
     let said = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
@@ -1988,23 +1976,12 @@ fn doctor_repair_names_who_must_restore_another_members_loans() {
         "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
     );
     let a = env.root.join("img/base/a");
-    let pauses = env.tmp.path().join("pauses");
-    fs::create_dir(&pauses).unwrap();
-    fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
-    let file = pauses.join("paused");
-    let mut c = Command::new("setpriv");
-    c.args(["--reuid=1001", "--regid=100", "--clear-groups", "--"])
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args(["exec", "--write", "k", "--from", "base", "--", "true"])
-        .env(
-            stowage::env::DEBUG_PAUSE,
-            format!("clone-copying:{}", file.display()),
-        )
-        .env_remove("STOWAGE_ROOT");
-    let bg = Bg::from_command(c);
-    wait_for_file(&file);
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
     bg.kill_all();
     assert_eq!(mode_of(&a), 0o500, "lent");
     let (code, said) = said_by(&env, 65534, &["doctor", "--repair"]);
@@ -2078,4 +2055,30 @@ fn a_repair_leaves_a_copy_whose_lock_file_was_unlinked_alone() {
     );
     fs::remove_file(&pause).unwrap();
     bg.finish();
+}
+
+/// `stowage exec EXEC -- true` run as uid `uid` (group 100), paused at debug point `point`: it
+/// says so in a directory every uid may write.
+fn paused_as(env: &Env, uid: u32, exec: &[&str], point: &str) -> Bg {
+    let pauses = env.tmp.path().join(format!("pauses-{uid}"));
+    fs::create_dir(&pauses).unwrap();
+    fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
+    let file = pauses.join("paused");
+    let mut c = Command::new("setpriv");
+    c.arg(format!("--reuid={uid}"))
+        .args(["--regid=100", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .arg("exec")
+        .args(exec)
+        .args(["--", "true"])
+        .env(
+            stowage::env::DEBUG_PAUSE,
+            format!("{point}:{}", file.display()),
+        )
+        .env_remove("STOWAGE_ROOT");
+    let bg = Bg::from_command(c);
+    wait_for_file(&file);
+    bg
 }
