@@ -142,7 +142,7 @@ impl Hold {
                 other => other?,
             };
             if let Err(e) = hold.quiesce(store, deadline, no_wait) {
-                hold.release(store);
+                hold.abandon(store);
                 return Err(e);
             }
             // `store.lock` lost through the scan's waits (the connection to the server was): the
@@ -277,17 +277,30 @@ impl Hold {
             crate::lease::forget(&root.leases(), Root::STORE_WIDE_LOCK_REL);
             return;
         };
-        for name in lock_file_names(root).unwrap_or_default() {
-            let path = root.image_locks().join(&name);
-            if let Ok(Some(g)) =
-                lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail)
-            {
-                let _ = image_record::set_store_wide(g.file(), false);
-            }
-        }
+        clear_free_hints(root);
         crate::lease::forget(&root.leases(), Root::STORE_WIDE_LOCK_REL);
         // Unlinked where allowed: until the next hold, a writer's ask is one failed open.
         let _ = root.unlink_lock(guard);
+    }
+
+    /// Ends a hold that never ran its command: its hints go from every lock file nobody holds while
+    /// `store.lock` is still ours (the users waiting for it take it the moment it is let go, and a
+    /// hint left then reads as a tree the command may have deleted), then as [`Hold::release`].
+    fn abandon(self, store: &Store) {
+        if self.lost().is_none() {
+            clear_free_hints(store.root());
+        }
+        self.release(store);
+    }
+}
+
+/// Takes the hint off every image lock file nobody holds (a held one's next holder clears it).
+fn clear_free_hints(root: &Root) {
+    for name in lock_file_names(root).unwrap_or_default() {
+        let path = root.image_locks().join(&name);
+        if let Ok(Some(g)) = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
+            let _ = image_record::set_store_wide(g.file(), false);
+        }
     }
 }
 

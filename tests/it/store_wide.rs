@@ -1303,3 +1303,35 @@ fn an_images_directory_deleted_and_made_again_is_told_from_one_moved_away() {
         assert_eq!(refused, kept, "{script}: {}", show(&out));
     }
 }
+
+/// A store-wide command that gives up waiting (its command never run)
+/// takes its hints off every image nobody holds before it lets go, even
+/// with users waiting to take the store the moment it does: an image whose
+/// tree is missing is still listed, not forgotten as one the command may
+/// have deleted. Before, the users took the store first, every hint stayed,
+/// and the next look forgot the image.
+#[test]
+fn a_hold_that_gives_up_leaves_no_hint_to_forget_an_image_by() {
+    let env = Env::new();
+    for name in ["a", "b", "gone"] {
+        env.make_image(name);
+    }
+    fs::remove_dir_all(env.root.join("img/gone")).unwrap();
+    let holder = env.hold(&["--read", "a"], "started");
+    let hold = env.spawn(["exec", "--store-wide", "--wait", "1", "--", "true"]);
+    wait_until("the store-wide command waits for 'a'", || {
+        flock_waited_on(&env.lock_file("a"))
+    });
+    let readers: Vec<Bg> = (0..3)
+        .map(|_| env.spawn(["exec", "--read", "b", "--", "true"]))
+        .collect();
+    let out = hold.finish();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    for r in readers {
+        assert_eq!(code(&r.finish()), Some(0));
+    }
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    env.ok(["images"]);
+    assert!(env.image("gone").is_some(), "the image was forgotten");
+}
