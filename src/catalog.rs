@@ -119,21 +119,28 @@ pub fn refuse_newer(root: &Root) -> Result<()> {
 /// ours damaged there is set aside by its command. Opened read-only (no journal made, nothing
 /// rolled back); one that cannot be read now is left to its command, which asks again.
 fn later_release_file(db: &Path) -> bool {
-    let objects = check_files(db).ok().flatten().and_then(|_| {
-        let conn = connect(db, OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
-        schema_objects(&conn).ok()
-    });
-    objects.is_some_and(|o| later_release(&o))
+    check_files(db).ok().flatten().is_some_and(|_| {
+        let conn = connect(db, OpenFlags::SQLITE_OPEN_READ_ONLY);
+        let objects = conn.as_ref().ok().and_then(|c| schema_objects(c).ok());
+        conn.is_ok_and(|c| objects.is_some_and(|o| later_release(&c, &o).unwrap_or(false)))
+    })
 }
 
-/// Whether a database whose schema version is above ours is a later release's catalog: it has the
-/// `images` table every release's has, and a schema other than ours (a release that raises the
-/// version changes the schema: ours under a higher number is ours damaged at its header).
-fn later_release(objects: &[[String; 3]]) -> bool {
-    let images = objects
+/// Whether a database whose schema version is above ours is a later release's catalog: it has
+/// what every release's has (an `images` table with `name` and `state`), a schema other than ours
+/// (a release that raises the version changes the schema: ours under a higher number is ours
+/// damaged at its header) and not the shape of a release's before records (`images` beside
+/// `records` and `config`: that catalog damaged at its header). `images` alone is a common name:
+/// another program's table of that name is no later release's.
+fn later_release(conn: &rusqlite::Connection, objects: &[[String; 3]]) -> Result<bool> {
+    let has = |t: &str| objects.iter().any(|[k, n, _]| k == "table" && n == t);
+    if !has("images") || is_ours(objects) || (has("records") && has("config")) {
+        return Ok(false);
+    }
+    let cols = columns(conn, "images")?;
+    Ok(["name", "state"]
         .iter()
-        .any(|[k, n, _]| k == "table" && n == "images");
-    images && !is_ours(objects)
+        .all(|c| cols.iter().any(|x| x == c)))
 }
 
 /// The database's schema objects: type, name and statement, in one read.
@@ -702,10 +709,15 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
         }
-        v if v > SCHEMA && later_release(&objects) => Found::Newer(v),
+        v if v > SCHEMA && later_release(conn, &objects)? => Found::Newer(v),
         v if v > SCHEMA && is_ours(&objects) => Found::Replaced(format!(
             "schema version {v} in its header over this release's schema: damaged at its header"
         )),
+        v if v > SCHEMA && has("images") && has("records") && has("config") => {
+            Found::Replaced(format!(
+                "schema version {v} in its header over the schema of a release before image records: damaged at its header"
+            ))
+        }
         _ => {
             let listed = match tables.is_empty() {
                 true => "none".into(),

@@ -791,7 +791,8 @@ fn noise_over(file: &Path, at: u64, len: usize) {
 }
 
 /// A store of the release before records whose catalog is deleted,
-/// emptied, damaged in its header or replaced by another store's: every
+/// emptied, damaged in its header (its schema version raised above this
+/// release's among it) or replaced by another store's: every
 /// image keeps the state its token says (they were all listed incomplete,
 /// and a read of a ready image refused as a damaged record), the line
 /// says the bases are not known, and the store is migrated whole.
@@ -800,13 +801,18 @@ fn an_old_store_whose_catalog_is_lost_takes_each_images_state_from_its_token() {
     let other = Env::new();
     other.make_image("stranger");
     other.ok(["images"]);
-    for loss in ["deleted", "emptied", "header", "another store's"] {
+    for loss in ["deleted", "emptied", "header", "version", "another store's"] {
         let env = old_store();
         let db = env.root.join("stowage.db");
         match loss {
             "deleted" => fs::remove_file(&db).unwrap(),
             "emptied" => fs::write(&db, "").unwrap(),
             "header" => noise_over(&db, 0, 14),
+            "version" => {
+                use std::os::unix::fs::FileExt as _;
+                let f = fs::OpenOptions::new().write(true).open(&db).unwrap();
+                f.write_all_at(&12u32.to_be_bytes(), 60).unwrap();
+            }
             _ => {
                 fs::copy(other.root.join("stowage.db"), &db).unwrap();
             }
@@ -1283,11 +1289,12 @@ fn older_metadata_put_back_after_the_migration_changes_no_image() {
 }
 
 /// Makes the catalog at `db` what a later release's would be: schema
-/// version `v` and a schema of its own (a table this release does not make).
+/// version `v` and a schema of its own (a table this release does not make)
+/// beside the `images` table with `name` and `state` every release's has.
 fn later_release_catalog(db: &Path, v: i64) {
     let conn = rusqlite::Connection::open(db).unwrap();
     let sql = format!(
-        "CREATE TABLE IF NOT EXISTS images (name TEXT PRIMARY KEY) WITHOUT ROWID;
+        "CREATE TABLE IF NOT EXISTS images (name TEXT PRIMARY KEY, state TEXT) WITHOUT ROWID;
          CREATE TABLE later (x); PRAGMA user_version = {v};"
     );
     conn.execute_batch(&sql).unwrap();
