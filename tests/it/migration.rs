@@ -1072,22 +1072,6 @@ fn a_token_put_in_a_store_of_this_release_makes_no_migration() {
     );
 }
 
-/// CRC-32 (IEEE), bit by bit: the check of an older release's token.
-fn token_crc(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
-            crc = if crc & 1 == 1 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
 /// An image the older release knew neither a row nor a last use for gets
 /// its tree's time as creation only: that time says when the tree was made
 /// (unpacked, copied), never when it was used, so the migration counts it
