@@ -29,9 +29,14 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// The image's state as a reader must take it, if it has a record.
+    /// The image's state as a reader must take it, if it has a record of this release's format:
+    /// a later release's record makes the older slot's state untrue of the image.
     pub fn state(&self) -> Option<State> {
-        let record = self.seen.record.as_ref();
+        let record = self
+            .seen
+            .record
+            .as_ref()
+            .filter(|_| self.seen.newer.is_none());
         record.map(|r| r.state_seen(self.writer_alive))
     }
 

@@ -358,7 +358,10 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
     if alive && r.state == Probe::Free {
         r.state = Probe::Exclusive;
     }
-    r.image_state = seen.record.as_ref().map(|rec| rec.state_seen(alive));
+    // A later release's record: no state of this release's is true of it, whatever the older slot
+    // says (unknown, as for damage).
+    let record = seen.record.as_ref().filter(|_| seen.newer.is_none());
+    r.image_state = record.map(|rec| rec.state_seen(alive));
     r.image_unknown = unknown_why(&seen, unread.as_ref());
     (r, !seen.unrecorded())
 }

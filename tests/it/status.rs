@@ -307,6 +307,40 @@ fn watch_prints_repeatedly() {
     bg.finish();
 }
 
+/// An image whose newest record a later release wrote (slot B, its CRC
+/// whole) beside this release's older one: no state of this release's is
+/// true of it, so lock-status shows it unknown, never the older slot's.
+#[test]
+fn an_image_a_newer_stowage_recorded_shows_no_state_of_this_release() {
+    let env = Env::new();
+    env.make_image("base");
+    let lock = env.lock_file("base");
+    let mut bytes = fs::read(&lock).unwrap();
+    let body = "stowage-record 2\nseq=99\nstate=deleting\nimage=base\nlater=1\n";
+    let record = format!("{body}crc={:08x}\n", token_crc(body.as_bytes()));
+    bytes.resize(8192, 0);
+    bytes[4096..].fill(0);
+    bytes[4096..4096 + record.len()].copy_from_slice(record.as_bytes());
+    fs::write(&lock, &bytes).unwrap();
+    let out = env.ok(["lock-status", "base"]);
+    let row = stdout(&out)
+        .lines()
+        .find(|l| l.starts_with("base "))
+        .map(str::to_owned);
+    let row = row.unwrap_or_default();
+    assert!(
+        row.contains("(unknown)") && !row.contains("ready"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains("later format (2)"), "{}", show(&out));
+    let out = env.ok(["lock-status", "--json", "base"]);
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let locks = doc["locks"].as_array().unwrap();
+    let base = locks.iter().find(|l| l["name"] == "base").unwrap();
+    assert!(base["image_state"].is_null(), "{doc}");
+}
+
 #[test]
 fn lock_status_of_an_image_that_does_not_exist_says_so() {
     let env = Env::new();
