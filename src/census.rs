@@ -129,16 +129,22 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
-/// Whether the image lock file `file` names an image whose tree is in the store's images directory.
+/// Whether the image lock file `file` names an image whose tree is in the store's images directory
+/// (read from the configuration as it is: nothing made or migrated for a look).
 pub fn tree_there(root: &Root, file: &str) -> bool {
-    let (Some(name), Ok(config)) = (
-        Root::image_of_lock_file(file),
-        crate::images_dir::config(root),
-    ) else {
+    let Some(name) = Root::image_of_lock_file(file) else {
+        return false;
+    };
+    let config = root
+        .opened()
+        .ok()
+        .and_then(|d| crate::config::read(root.dir(), d).ok());
+    let Some(config) = config.flatten() else {
         return false;
     };
     let dir = config.images.path_in(root.dir());
-    !crate::images_dir::nothing_at(root, &dir, name.encoded())
+    let images = root.open_images_dir(&dir);
+    images.is_ok_and(|d| matches!(d.stat_at(name.encoded()), Ok(Some(_))))
 }
 
 /// [`crate::Error::Newer`] for the first record in `entries` a later release wrote: that release's
