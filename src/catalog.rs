@@ -101,17 +101,29 @@ pub fn refuse_newer(root: &Root) -> Result<()> {
     let Ok(file) = dir.open_read_unchecked("stowage.db") else {
         return Ok(());
     };
-    let mut header = [0u8; 64];
-    // A plain read from the start (a fresh open): SQLite's own reads are `pread`s.
-    match std::io::Read::read(&mut &file, &mut header) {
-        Ok(64) if header.starts_with(b"SQLite format 3\0") => {}
-        _ => return Ok(()),
-    }
-    let version = i32::from_be_bytes([header[60], header[61], header[62], header[63]]);
-    match i64::from(version) {
-        v if v > SCHEMA && later_release_file(&root.db()) => Err(newer(root, v)),
+    match header_version(&file) {
+        Some(v) if v > SCHEMA && later_release_file(&root.db()) => Err(newer(root, v)),
         _ => Ok(()),
     }
+}
+
+/// The schema version in the header of the SQLite database open as `file`, if it is one.
+fn header_version(file: &std::fs::File) -> Option<i64> {
+    let mut header = [0u8; 64];
+    // A plain read from the start (a fresh open): SQLite's own reads are `pread`s.
+    match std::io::Read::read(&mut &*file, &mut header) {
+        Ok(64) if header.starts_with(b"SQLite format 3\0") => {}
+        _ => return None,
+    }
+    let version = i32::from_be_bytes([header[60], header[61], header[62], header[63]]);
+    Some(i64::from(version))
+}
+
+/// Whether the catalog at `db` is a later release's, decided before anything is written to it:
+/// switching a WAL catalog back to the rollback journal rewrites its header.
+fn later_release_at(db: &Path) -> bool {
+    let version = open_plain(db).ok().and_then(|f| header_version(&f));
+    version.is_some_and(|v| v > SCHEMA) && later_release_file(db)
 }
 
 /// Whether the catalog at `db`, whose header says a schema above ours, holds a later release's
@@ -159,7 +171,7 @@ pub struct Catalog<'a> {
 
 /// Opens the catalog file (not yet a transaction), refusing anything planted at its files.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
-    if check_files(path)?.as_ref().is_some_and(says_wal) {
+    if check_files(path)?.as_ref().is_some_and(says_wal) && !later_release_at(path) {
         leave_outside_wal(path)?;
     }
     // SQLite names nothing it could not open: what was put in the catalog's place since, if any.
@@ -593,7 +605,7 @@ pub enum Legacy {
 pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();
-    let wal = check_files(&path)?.as_ref().is_some_and(says_wal);
+    let wal = check_files(&path)?.as_ref().is_some_and(says_wal) && !later_release_at(&path);
     let found = if !path.is_file() {
         Ok(Found::Replaced("missing".into()))
     } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
@@ -661,10 +673,17 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
 
 /// What the open database is: asked once per connection, before the first transaction.
 pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
+    let found = inspect_schema(conn)?;
+    // Switched back only once known to be no later release's: that release's file is left as is.
     let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
-    if mode.eq_ignore_ascii_case("wal") {
+    if mode.eq_ignore_ascii_case("wal") && !matches!(found, Found::Newer(_)) {
         leave_wal(conn).context(SWITCHED)?;
     }
+    Ok(found)
+}
+
+/// What the open database is, by its size, schema version and schema, read in one transaction.
+fn inspect_schema(conn: &rusqlite::Connection) -> Result<Found> {
     // SQLite counts pages in 32 bits, taking a longer (sparse) file's count modulo 2^32, as if it
     // were empty or short: a file that long is no catalog.
     let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))? as u64;

@@ -1376,6 +1376,35 @@ fn a_catalog_of_a_newer_schema_is_refused_never_set_aside() {
     assert!(!names.iter().any(|n| n.contains("damaged")), "{names:?}");
 }
 
+/// A later release's catalog in WAL mode is left byte for byte as it is by
+/// doctor, plain or repairing: whether it is that release's is decided
+/// before anything would switch it back to the rollback journal.
+#[test]
+fn a_later_releases_catalog_in_wal_mode_is_not_switched_by_doctor() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    later_release_catalog(&db, 12);
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    drop(conn);
+    let before = fs::read(&db).unwrap();
+    // The file format bytes: 2 and 2 in WAL mode, 1 and 1 in the rollback journal's.
+    assert_eq!(before[18..20], [2, 2]);
+    assert_doctor_leaves_newer(&env);
+    let after = fs::read(&db).unwrap();
+    assert!(
+        after == before,
+        "changed: bytes 18..20 now {:?}",
+        &after[18..20]
+    );
+    assert_refused_as_newer(&env, &["images"], "schema version 12");
+}
+
 /// An image whose record a later release wrote (`stowage-record 2`) is
 /// refused to read and to write, never rewritten in this release's format.
 #[test]
