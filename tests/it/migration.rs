@@ -1656,3 +1656,31 @@ fn a_migrated_store_that_lost_its_configuration_is_repaired_not_migrated_again()
     assert_eq!(states(&env), kept, "no image changed");
     env.ok(["exec", "--write", "new", "--", "true"]);
 }
+
+/// The same with an external images directory: the migration's claim on
+/// it (not on `img`) says the store is past its migration, and keeps its id.
+#[test]
+fn a_migrated_external_store_that_lost_its_configuration_is_repaired_not_migrated_again() {
+    let (env, _images) = old_external_store();
+    env.ok(["images"]);
+    let (id, before) = (store_id(&env), states(&env));
+    let conf = env.root.join("store.conf");
+    fs::remove_file(&conf).unwrap();
+    let out = env.ok(["images"]);
+    assert!(!stderr(&out).contains("migrating"), "{}", show(&out));
+    assert!(!conf.exists(), "images wrote a configuration");
+    let out = env.run(["exec", "--write", "new", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'stowage doctor --repair'"),
+        "{}",
+        show(&out)
+    );
+    assert!(!conf.exists(), "exec wrote a configuration");
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(store_id(&env), id, "the store keeps its id");
+    // The repair finishes the removal the old store left interrupted.
+    let kept: Vec<_> = before.into_iter().filter(|i| i.0 != "doomed").collect();
+    assert_eq!(states(&env), kept, "no image changed");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
