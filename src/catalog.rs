@@ -102,17 +102,29 @@ pub fn refuse_newer(root: &Root) -> Result<()> {
     let Ok(file) = dir.open_read_unchecked("stowage.db") else {
         return Ok(());
     };
-    let mut header = [0u8; 64];
-    // A plain read from the start (a fresh open): SQLite's own reads are `pread`s.
-    match std::io::Read::read(&mut &file, &mut header) {
-        Ok(64) if header.starts_with(b"SQLite format 3\0") => {}
-        _ => return Ok(()),
-    }
-    let version = i32::from_be_bytes([header[60], header[61], header[62], header[63]]);
-    match i64::from(version) {
-        v if v > SCHEMA && later_release_file(&root.db()) => Err(newer(root, v)),
+    match header_version(&file) {
+        Some(v) if v > SCHEMA && later_release_file(&root.db()) => Err(newer(root, v)),
         _ => Ok(()),
     }
+}
+
+/// The schema version in the header of the SQLite database open as `file`, if it is one.
+fn header_version(file: &std::fs::File) -> Option<i64> {
+    let mut header = [0u8; 64];
+    // A plain read from the start (a fresh open): SQLite's own reads are `pread`s.
+    match std::io::Read::read(&mut &*file, &mut header) {
+        Ok(64) if header.starts_with(b"SQLite format 3\0") => {}
+        _ => return None,
+    }
+    let version = i32::from_be_bytes([header[60], header[61], header[62], header[63]]);
+    Some(i64::from(version))
+}
+
+/// Whether the catalog at `db` is a later release's, decided before anything is written to it:
+/// switching a WAL catalog back to the rollback journal rewrites its header.
+fn later_release_at(db: &Path) -> bool {
+    let version = open_plain(db).ok().and_then(|f| header_version(&f));
+    version.is_some_and(|v| v > SCHEMA) && later_release_file(db)
 }
 
 /// Whether the catalog at `db`, whose header says a schema above ours, holds a later release's
@@ -120,21 +132,28 @@ pub fn refuse_newer(root: &Root) -> Result<()> {
 /// ours damaged there is set aside by its command. Opened read-only (no journal made, nothing
 /// rolled back); one that cannot be read now is left to its command, which asks again.
 fn later_release_file(db: &Path) -> bool {
-    let objects = check_files(db).ok().flatten().and_then(|_| {
-        let conn = connect(db, OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
-        schema_objects(&conn).ok()
-    });
-    objects.is_some_and(|o| later_release(&o))
+    check_files(db).ok().flatten().is_some_and(|_| {
+        let conn = connect(db, OpenFlags::SQLITE_OPEN_READ_ONLY);
+        let objects = conn.as_ref().ok().and_then(|c| schema_objects(c).ok());
+        conn.is_ok_and(|c| objects.is_some_and(|o| later_release(&c, &o).unwrap_or(false)))
+    })
 }
 
-/// Whether a database whose schema version is above ours is a later release's catalog: it has the
-/// `images` table every release's has, and a schema other than ours (a release that raises the
-/// version changes the schema: ours under a higher number is ours damaged at its header).
-fn later_release(objects: &[[String; 3]]) -> bool {
-    let images = objects
+/// Whether a database whose schema version is above ours is a later release's catalog: it has
+/// what every release's has (an `images` table with `name` and `state`), a schema other than ours
+/// (a release that raises the version changes the schema: ours under a higher number is ours
+/// damaged at its header) and not the shape of a release's before records (`images` beside
+/// `records` and `config`: that catalog damaged at its header). `images` alone is a common name:
+/// another program's table of that name is no later release's.
+fn later_release(conn: &rusqlite::Connection, objects: &[[String; 3]]) -> Result<bool> {
+    let has = |t: &str| objects.iter().any(|[k, n, _]| k == "table" && n == t);
+    if !has("images") || is_ours(objects) || (has("records") && has("config")) {
+        return Ok(false);
+    }
+    let cols = columns(conn, "images")?;
+    Ok(["name", "state"]
         .iter()
-        .any(|[k, n, _]| k == "table" && n == "images");
-    images && !is_ours(objects)
+        .all(|c| cols.iter().any(|x| x == c)))
 }
 
 /// The database's schema objects: type, name and statement, in one read.
@@ -153,7 +172,7 @@ pub struct Catalog<'a> {
 
 /// Opens the catalog file (not yet a transaction), refusing anything planted at its files.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
-    if check_files(path)?.as_ref().is_some_and(says_wal) {
+    if check_files(path)?.as_ref().is_some_and(says_wal) && !later_release_at(path) {
         leave_outside_wal(path)?;
     }
     // SQLite names nothing it could not open: what was put in the catalog's place since, if any.
@@ -587,7 +606,7 @@ pub enum Legacy {
 pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
     static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();
-    let wal = check_files(&path)?.as_ref().is_some_and(says_wal);
+    let wal = check_files(&path)?.as_ref().is_some_and(says_wal) && !later_release_at(&path);
     let found = if !path.is_file() {
         Ok(Found::Replaced("missing".into()))
     } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
@@ -655,10 +674,17 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
 
 /// What the open database is: asked once per connection, before the first transaction.
 pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
+    let found = inspect_schema(conn)?;
+    // Switched back only once known to be no later release's: that release's file is left as is.
     let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
-    if mode.eq_ignore_ascii_case("wal") {
+    if mode.eq_ignore_ascii_case("wal") && !matches!(found, Found::Newer(_)) {
         leave_wal(conn).context(SWITCHED)?;
     }
+    Ok(found)
+}
+
+/// What the open database is, by its size, schema version and schema, read in one transaction.
+fn inspect_schema(conn: &rusqlite::Connection) -> Result<Found> {
     // SQLite counts pages in 32 bits, taking a longer (sparse) file's count modulo 2^32, as if it
     // were empty or short: a file that long is no catalog.
     let page = conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))? as u64;
@@ -703,10 +729,15 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
         }
-        v if v > SCHEMA && later_release(&objects) => Found::Newer(v),
+        v if v > SCHEMA && later_release(conn, &objects)? => Found::Newer(v),
         v if v > SCHEMA && is_ours(&objects) => Found::Replaced(format!(
             "schema version {v} in its header over this release's schema: damaged at its header"
         )),
+        v if v > SCHEMA && has("images") && has("records") && has("config") => {
+            Found::Replaced(format!(
+                "schema version {v} in its header over the schema of a release before image records: damaged at its header"
+            ))
+        }
         _ => {
             let listed = match tables.is_empty() {
                 true => "none".into(),

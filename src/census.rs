@@ -6,6 +6,9 @@
 //! - A write in flight is told from a dead one by a probe of its lock (only for records that say
 //!   `creating` or `writing`).
 //! - Only regular files named `*.lock` are read, opened without following links or blocking.
+//!   Anything else planted under such a name (directory, FIFO, link) holds no record to read; where
+//!   its image's tree is there it stands for that image: an entry whose state is unknown, as for a
+//!   file that cannot be read, never "no such image" (`doctor` reports it planted, sets it aside).
 
 use std::path::PathBuf;
 
@@ -26,12 +29,19 @@ pub struct Entry {
     pub writer_alive: bool,
     /// When the file was last written, by the filesystem's clock (`None` where not told).
     pub written: Option<crate::clock::Millis>,
+    /// Something other than a regular file of its own stands at the lock file: no record is read.
+    pub planted: bool,
 }
 
 impl Entry {
-    /// The image's state as a reader must take it, if it has a record.
+    /// The image's state as a reader must take it, if it has a record of this release's format:
+    /// a later release's record makes the older slot's state untrue of the image.
     pub fn state(&self) -> Option<State> {
-        let record = self.seen.record.as_ref();
+        let record = self
+            .seen
+            .record
+            .as_ref()
+            .filter(|_| self.seen.newer.is_none());
         record.map(|r| r.state_seen(self.writer_alive))
     }
 
@@ -71,12 +81,15 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         .listing()
         .with_context(|| format!("cannot list {}", root.image_locks().display()))?;
     let mut out = Vec::new();
-    for file in lock_file_names(listing) {
+    let names = listing
+        .into_iter()
+        .filter_map(|e| e.name.into_string().ok());
+    for file in names.filter(|n| n.ends_with(".lock")) {
         let path = root.image_locks().join(&file);
-        // Only a regular file (the open checks): anything else planted under a lock file's name is
-        // no record (doctor reports it), nor is one removed meanwhile. A file that could not be read
-        // (no permission, an I/O error) may hold one: its image's state is unknown, so it is kept
-        // and reported as a damaged record is; taken for none, its tree would be adopted.
+        // Only a regular file (the open checks) holds a record; one removed meanwhile is none. A file
+        // that could not be read (no permission, an I/O error) may hold one, and anything planted in
+        // its place may stand for an image's: its state is unknown, so it is kept and reported as a
+        // damaged record is; taken for none, its tree would be adopted or its name said free.
         let unread = Seen {
             damaged: true,
             ..Seen::default()
@@ -87,9 +100,10 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
             Ok((f, written))
         });
         let ours = |s: Seen| s.of(|n| crate::root::is_lock_file_of(&file, n));
+        let planted = matches!(&opened, Err(e) if crate::planted::find(e).is_some());
         let (seen, writer_alive, written) = match opened {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) if crate::planted::find(&e).is_some() => continue,
+            Err(_) if planted && !tree_there(root, &file) => continue,
             Err(_) => (unread, false, None),
             Ok((f, written)) => {
                 let seen = ours(image_record::read(&f).unwrap_or(unread));
@@ -108,10 +122,29 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
             seen,
             writer_alive,
             written,
+            planted,
         });
     }
     out.sort_by(|a, b| a.file.cmp(&b.file));
     Ok(out)
+}
+
+/// Whether the image lock file `file` names an image whose tree is in the store's images directory
+/// (read from the configuration as it is: nothing made or migrated for a look).
+pub fn tree_there(root: &Root, file: &str) -> bool {
+    let Some(name) = Root::image_of_lock_file(file) else {
+        return false;
+    };
+    let config = root
+        .opened()
+        .ok()
+        .and_then(|d| crate::config::read(root.dir(), d).ok());
+    let Some(config) = config.flatten() else {
+        return false;
+    };
+    let dir = config.images.path_in(root.dir());
+    let images = root.open_images_dir(&dir);
+    images.is_ok_and(|d| matches!(d.stat_at(name.encoded()), Ok(Some(_))))
 }
 
 /// [`crate::Error::Newer`] for the first record in `entries` a later release wrote: that release's

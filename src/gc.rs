@@ -281,6 +281,9 @@ fn unknown(rows: &[Image], unlisted: &[crate::survey::Unlisted]) -> Vec<String> 
                 "{}: its record is of a later format ({format}): a newer stowage's image",
                 r.name()
             ),
+            (None, true) if r.entry.planted => {
+                format!("{}: its lock file is no regular file", r.name())
+            }
             (None, true) => format!("{}: its record cannot be read", r.name()),
             (None, false) => format!("{}: its tree was adopted without a record", r.name()),
         });

@@ -41,8 +41,9 @@ pub struct Root {
 /// What the image lock files tell of the release that used a store last ([`Root::records_tell`]).
 enum Told {
     OwnUse,
-    /// An older release's tokens, and no record of this release's own use.
-    Tokens,
+    /// An older release's tokens, and no record of this release's own use; the images directories
+    /// the records a migration wrote beside them name.
+    Tokens(Vec<crate::image_record::ImagesDir>),
     Nothing,
 }
 
@@ -741,9 +742,13 @@ impl Root {
     pub fn older_release_left(&self) -> bool {
         match self.records_tell() {
             Told::OwnUse => false,
-            // Disabled by a migration that finished (it claims `img` after writing the
-            // configuration): a configuration lost since is `doctor --repair`'s to write.
-            Told::Tokens => !self.claims_default_images_dir(),
+            // Disabled by a migration that finished (it claims the images directory after writing
+            // the configuration: `img`, or the external one its records name): a configuration
+            // lost since is `doctor --repair`'s to write.
+            Told::Tokens(named) => {
+                !self.claims_default_images_dir()
+                    && !named.iter().any(|d| self.claims_images_dir(d))
+            }
             Told::Nothing => self.older_release_catalog_id().is_some(),
         }
     }
@@ -752,11 +757,16 @@ impl Root {
     /// only once the store's configuration was (`Root::create_config`, a migration's end), so a
     /// store that bears it was made or migrated by this release, whatever tokens it still holds.
     pub fn claims_default_images_dir(&self) -> bool {
-        let Ok(img) = self.open_sub("img") else {
+        self.claims_images_dir(&crate::image_record::ImagesDir::Default)
+    }
+
+    /// Whether this store's claim is on the images directory `images` (as this process reaches it).
+    fn claims_images_dir(&self, images: &crate::image_record::ImagesDir) -> bool {
+        let Ok(dir) = self.open_images_dir(&images.path_in(self.dir())) else {
             return false;
         };
         let me = self.open().and_then(|d| Ok(d.identity()?));
-        let claim = crate::claim::read(&img);
+        let claim = crate::claim::read(&dir);
         claim
             .zip(me.ok())
             .is_some_and(|(c, me)| crate::dir::same_identity(&c.root, &me))
@@ -788,7 +798,15 @@ impl Root {
             };
             match (seen.record.is_some(), a) {
                 (true, SlotA::Ours) => return Told::OwnUse,
-                (_, SlotA::Token) | (true, SlotA::Disabled) => told = Told::Tokens,
+                (_, SlotA::Token) | (true, SlotA::Disabled) => {
+                    let mut named = match std::mem::replace(&mut told, Told::Nothing) {
+                        Told::Tokens(named) => named,
+                        _ => Vec::new(),
+                    };
+                    let images = seen.record.map(|r| r.images);
+                    named.extend(images.filter(|i| !named.contains(i)));
+                    told = Told::Tokens(named);
+                }
                 _ => {}
             }
         }

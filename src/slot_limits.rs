@@ -131,9 +131,11 @@ fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
         return (Class::Emptied, None);
     }
     let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
+    // A format line is trusted only where its slot's CRC holds (a later format keeps `crc=`
+    // last): one damaged byte, even in the slot not in use, is damage, not a later release's.
     let newer = |i: usize| {
-        let text = String::from_utf8_lossy(slot(i)?);
-        crate::error::newer_format(&text, "stowage-class ", 1)
+        let body = crate::image_record::checked_body(slot(i)?)?;
+        crate::error::newer_format(body, "stowage-class ", 1)
     };
     if let Some(n) = newer(0).max(newer(1)) {
         return (Class::Newer(n), None);

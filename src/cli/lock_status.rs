@@ -319,11 +319,13 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
 fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> (LockReport, bool) {
     let path = root.image_locks().join(file);
     // A file that cannot be opened or read (no permission, an I/O error) may hold a record: its
-    // image's state is unknown, as the census takes it, never "no such image". Something planted
-    // in its place holds none.
+    // image's state is unknown, as the census takes it, never "no such image"; so is one with
+    // something planted in its place while its image's tree is there. Without a tree it holds none.
     let (opened, unread) = match crate::lock::open_existing_read(&path) {
         Ok(f) => (f, None),
-        Err(e) if crate::planted::find(&e).is_some() => (None, None),
+        Err(e) if crate::planted::find(&e).is_some() && !crate::census::tree_there(root, file) => {
+            (None, None)
+        }
         Err(e) => (None, Some(e)),
     };
     let read = || {
@@ -358,7 +360,10 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
     if alive && r.state == Probe::Free {
         r.state = Probe::Exclusive;
     }
-    r.image_state = seen.record.as_ref().map(|rec| rec.state_seen(alive));
+    // A later release's record: no state of this release's is true of it, whatever the older slot
+    // says (unknown, as for damage).
+    let record = seen.record.as_ref().filter(|_| seen.newer.is_none());
+    r.image_state = record.map(|rec| rec.state_seen(alive));
     r.image_unknown = unknown_why(&seen, unread.as_ref());
     (r, !seen.unrecorded())
 }
@@ -369,6 +374,9 @@ fn unknown_why(
     seen: &crate::image_record::Seen,
     unread: Option<&std::io::Error>,
 ) -> Option<String> {
+    if let Some(e) = unread.filter(|e| crate::planted::find(e).is_some()) {
+        return Some(e.to_string());
+    }
     if let Some(e) = unread {
         return Some(format!("its record cannot be read: {e}"));
     }

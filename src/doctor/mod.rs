@@ -657,8 +657,9 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-listed");
     newer_records(&entries, report);
+    // Something planted at a lock file is reported as such (files.rs), not as a damaged record.
     let damaged: Vec<&Entry> = (entries.iter())
-        .filter(|e| e.seen.damaged && e.seen.newer.is_none())
+        .filter(|e| e.seen.damaged && e.seen.newer.is_none() && !e.planted)
         .collect();
     // A record of another image's (copied over) is named: it is where to look for the cause.
     let files: Vec<_> = (damaged.iter())

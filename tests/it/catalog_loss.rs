@@ -1100,3 +1100,22 @@ fn another_programs_database_of_a_high_version_changes_no_image() {
     };
     goes_on_over(&env, "another program's, version 20", spoil);
 }
+
+/// Another program's database with a table named `images` (a common name)
+/// but none of a stowage catalog's columns, at a schema version above this
+/// release's: no later stowage's catalog either; set aside and made anew.
+#[test]
+fn another_programs_images_table_of_a_high_version_changes_no_image() {
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    let spoil = || {
+        let _ = fs::remove_file(&db);
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        let sql =
+            "CREATE TABLE images (id INTEGER PRIMARY KEY, path TEXT); PRAGMA user_version = 12;";
+        conn.execute_batch(sql).unwrap();
+    };
+    goes_on_over(&env, "another program's images table, version 12", spoil);
+    let out = env.run(["rm", "app"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}

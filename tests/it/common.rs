@@ -1594,3 +1594,20 @@ pub fn hold_catalog(env: &Env) -> Bg {
     wait_for_file(&env.sentinel("catalog-held"));
     holder
 }
+
+/// CRC-32 (IEEE), bit by bit: the check of an older release's token
+/// and of each record and class limits slot (its `crc=` line).
+pub fn token_crc(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}

@@ -791,7 +791,8 @@ fn noise_over(file: &Path, at: u64, len: usize) {
 }
 
 /// A store of the release before records whose catalog is deleted,
-/// emptied, damaged in its header or replaced by another store's: every
+/// emptied, damaged in its header (its schema version raised above this
+/// release's among it) or replaced by another store's: every
 /// image keeps the state its token says (they were all listed incomplete,
 /// and a read of a ready image refused as a damaged record), the line
 /// says the bases are not known, and the store is migrated whole.
@@ -800,13 +801,18 @@ fn an_old_store_whose_catalog_is_lost_takes_each_images_state_from_its_token() {
     let other = Env::new();
     other.make_image("stranger");
     other.ok(["images"]);
-    for loss in ["deleted", "emptied", "header", "another store's"] {
+    for loss in ["deleted", "emptied", "header", "version", "another store's"] {
         let env = old_store();
         let db = env.root.join("stowage.db");
         match loss {
             "deleted" => fs::remove_file(&db).unwrap(),
             "emptied" => fs::write(&db, "").unwrap(),
             "header" => noise_over(&db, 0, 14),
+            "version" => {
+                use std::os::unix::fs::FileExt as _;
+                let f = fs::OpenOptions::new().write(true).open(&db).unwrap();
+                f.write_all_at(&12u32.to_be_bytes(), 60).unwrap();
+            }
             _ => {
                 fs::copy(other.root.join("stowage.db"), &db).unwrap();
             }
@@ -1066,22 +1072,6 @@ fn a_token_put_in_a_store_of_this_release_makes_no_migration() {
     );
 }
 
-/// CRC-32 (IEEE), bit by bit: the check of an older release's token.
-fn token_crc(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
-            crc = if crc & 1 == 1 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
 /// An image the older release knew neither a row nor a last use for gets
 /// its tree's time as creation only: that time says when the tree was made
 /// (unpacked, copied), never when it was used, so the migration counts it
@@ -1283,11 +1273,12 @@ fn older_metadata_put_back_after_the_migration_changes_no_image() {
 }
 
 /// Makes the catalog at `db` what a later release's would be: schema
-/// version `v` and a schema of its own (a table this release does not make).
+/// version `v` and a schema of its own (a table this release does not make)
+/// beside the `images` table with `name` and `state` every release's has.
 fn later_release_catalog(db: &Path, v: i64) {
     let conn = rusqlite::Connection::open(db).unwrap();
     let sql = format!(
-        "CREATE TABLE IF NOT EXISTS images (name TEXT PRIMARY KEY) WITHOUT ROWID;
+        "CREATE TABLE IF NOT EXISTS images (name TEXT PRIMARY KEY, state TEXT) WITHOUT ROWID;
          CREATE TABLE later (x); PRAGMA user_version = {v};"
     );
     conn.execute_batch(&sql).unwrap();
@@ -1383,6 +1374,35 @@ fn a_catalog_of_a_newer_schema_is_refused_never_set_aside() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert!(!names.iter().any(|n| n.contains("damaged")), "{names:?}");
+}
+
+/// A later release's catalog in WAL mode is left byte for byte as it is by
+/// doctor, plain or repairing: whether it is that release's is decided
+/// before anything would switch it back to the rollback journal.
+#[test]
+fn a_later_releases_catalog_in_wal_mode_is_not_switched_by_doctor() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    later_release_catalog(&db, 12);
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    drop(conn);
+    let before = fs::read(&db).unwrap();
+    // The file format bytes: 2 and 2 in WAL mode, 1 and 1 in the rollback journal's.
+    assert_eq!(before[18..20], [2, 2]);
+    assert_doctor_leaves_newer(&env);
+    let after = fs::read(&db).unwrap();
+    assert!(
+        after == before,
+        "changed: bytes 18..20 now {:?}",
+        &after[18..20]
+    );
+    assert_refused_as_newer(&env, &["images"], "schema version 12");
 }
 
 /// An image whose record a later release wrote (`stowage-record 2`) is
@@ -1630,6 +1650,34 @@ fn a_migrated_store_that_lost_its_configuration_is_repaired_not_migrated_again()
     }
     let out = env.ok(["doctor", "--repair"]);
     assert!(stdout(&out).contains("written anew"), "{}", show(&out));
+    assert_eq!(store_id(&env), id, "the store keeps its id");
+    // The repair finishes the removal the old store left interrupted.
+    let kept: Vec<_> = before.into_iter().filter(|i| i.0 != "doomed").collect();
+    assert_eq!(states(&env), kept, "no image changed");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
+
+/// The same with an external images directory: the migration's claim on
+/// it (not on `img`) says the store is past its migration, and keeps its id.
+#[test]
+fn a_migrated_external_store_that_lost_its_configuration_is_repaired_not_migrated_again() {
+    let (env, _images) = old_external_store();
+    env.ok(["images"]);
+    let (id, before) = (store_id(&env), states(&env));
+    let conf = env.root.join("store.conf");
+    fs::remove_file(&conf).unwrap();
+    let out = env.ok(["images"]);
+    assert!(!stderr(&out).contains("migrating"), "{}", show(&out));
+    assert!(!conf.exists(), "images wrote a configuration");
+    let out = env.run(["exec", "--write", "new", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'stowage doctor --repair'"),
+        "{}",
+        show(&out)
+    );
+    assert!(!conf.exists(), "exec wrote a configuration");
+    env.ok(["doctor", "--repair"]);
     assert_eq!(store_id(&env), id, "the store keeps its id");
     // The repair finishes the removal the old store left interrupted.
     let kept: Vec<_> = before.into_iter().filter(|i| i.0 != "doomed").collect();

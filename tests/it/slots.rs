@@ -1228,6 +1228,51 @@ fn a_new_limit_keeps_the_reserve_unless_one_is_given() {
     assert_eq!(reserve(&env), 0);
 }
 
+/// Makes each slot of a class's limits in `bytes` what a later release
+/// writes: format 2, its CRC whole (a format line damaged is no later one).
+fn later_release_limits(bytes: &mut [u8]) {
+    for area in bytes.chunks_mut(512) {
+        let end = area.iter().position(|&b| b == 0).unwrap_or(area.len());
+        let Ok(text) = String::from_utf8(area[..end].to_vec()) else {
+            continue;
+        };
+        let Some(crc) = text.find("\ncrc=") else {
+            continue;
+        };
+        let body = text[..crc + 1].replacen("class 1", "class 2", 1);
+        let slot = format!("{body}crc={:08x}\n", token_crc(body.as_bytes()));
+        area[..slot.len()].copy_from_slice(slot.as_bytes());
+    }
+}
+
+/// A class whose limits have one byte damaged in the format line of the
+/// slot not in use (its CRC no longer holds) is no later release's: the
+/// slot in use is read, and the class used, listed, set and removed.
+#[test]
+fn limits_damaged_in_a_format_line_are_damage_not_a_later_release() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    env.ok(["slots", "set", "pull", "3"]);
+    let zero = env.root.join("locks/slots/pull/0.lock");
+    let mut bytes = fs::read(&zero).unwrap();
+    // The first slot holds the older seq: the second is the one in use.
+    assert!(bytes.starts_with(b"stowage-class 1\nseq=1\n"), "{bytes:?}");
+    bytes[14] = b'7';
+    fs::write(&zero, &bytes).unwrap();
+    for args in [
+        &["slots"][..],
+        &["lock-status"],
+        &["exec", "--slot", "pull", "--", "true"],
+        &["slots", "set", "pull", "4"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(!stderr(&out).contains("newer"), "{args:?}: {}", show(&out));
+    }
+    assert!(stdout(&env.run(["slots"])).contains('4'));
+    env.ok(["slots", "rm", "pull"]);
+}
+
 /// A class whose limits a later release wrote (`stowage-class 2`) is that
 /// release's: every use of it is refused as a newer store's, and `slots
 /// set` never writes it back in this release's format.
@@ -1237,12 +1282,7 @@ fn limits_of_a_newer_format_are_refused_never_rewritten() {
     env.ok(["slots", "set", "pull", "2"]);
     let zero = env.root.join("locks/slots/pull/0.lock");
     let mut bytes = fs::read(&zero).unwrap();
-    // Each slot's first line, wherever the slots are.
-    for at in 0..bytes.len() {
-        if bytes[at..].starts_with(b"stowage-class 1\n") {
-            bytes[at + 14] = b'2';
-        }
-    }
+    later_release_limits(&mut bytes);
     fs::write(&zero, &bytes).unwrap();
     for args in [
         &["slots"][..],
@@ -1280,11 +1320,7 @@ fn lock_status_refuses_limits_of_a_newer_format_free_or_held() {
     env.ok(["slots", "set", "pull", "1"]);
     let zero = env.root.join("locks/slots/pull/0.lock");
     let mut bytes = fs::read(&zero).unwrap();
-    for at in 0..bytes.len() {
-        if bytes[at..].starts_with(b"stowage-class 1\n") {
-            bytes[at + 14] = b'2';
-        }
-    }
+    later_release_limits(&mut bytes);
     fs::write(&zero, &bytes).unwrap();
     let refused = |when: &str| {
         for args in [&["lock-status"][..], &["lock-status", "--json"]] {

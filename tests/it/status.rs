@@ -307,6 +307,93 @@ fn watch_prints_repeatedly() {
     bg.finish();
 }
 
+/// An image whose newest record a later release wrote (slot B, its CRC
+/// whole) beside this release's older one: no state of this release's is
+/// true of it, so lock-status shows it unknown, never the older slot's.
+#[test]
+fn an_image_a_newer_stowage_recorded_shows_no_state_of_this_release() {
+    let env = Env::new();
+    env.make_image("base");
+    let lock = env.lock_file("base");
+    let mut bytes = fs::read(&lock).unwrap();
+    let body = "stowage-record 2\nseq=99\nstate=deleting\nimage=base\nlater=1\n";
+    let record = format!("{body}crc={:08x}\n", token_crc(body.as_bytes()));
+    bytes.resize(8192, 0);
+    bytes[4096..].fill(0);
+    bytes[4096..4096 + record.len()].copy_from_slice(record.as_bytes());
+    fs::write(&lock, &bytes).unwrap();
+    let out = env.ok(["lock-status", "base"]);
+    let row = stdout(&out)
+        .lines()
+        .find(|l| l.starts_with("base "))
+        .map(str::to_owned);
+    let row = row.unwrap_or_default();
+    assert!(
+        row.contains("(unknown)") && !row.contains("ready"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains("later format (2)"), "{}", show(&out));
+    let out = env.ok(["lock-status", "--json", "base"]);
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let locks = doc["locks"].as_array().unwrap();
+    let base = locks.iter().find(|l| l["name"] == "base").unwrap();
+    assert!(base["image_state"].is_null(), "{doc}");
+}
+
+/// An image whose lock file was replaced by a directory or a FIFO (its
+/// tree still there) is shown with its state unknown by lock-status, named
+/// or with --all, and by images, as gc keeps it: never "does not exist".
+#[test]
+fn an_image_whose_lock_file_is_no_regular_file_is_shown_unknown() {
+    for planted in ["directory", "fifo"] {
+        let env = Env::new();
+        env.make_image("base");
+        env.make_image("app");
+        let lock = env.lock_file("app");
+        fs::remove_file(&lock).unwrap();
+        match planted {
+            "directory" => fs::create_dir(&lock).unwrap(),
+            _ => {
+                nix::unistd::mkfifo(&lock, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap()
+            }
+        }
+        let out = env.run(["lock-status", "app"]);
+        assert_eq!(code(&out), Some(0), "{planted}: {}", show(&out));
+        assert!(
+            stdout(&out).contains("(unknown)"),
+            "{planted}: {}",
+            show(&out)
+        );
+        assert!(
+            stderr(&out).contains("not a regular file"),
+            "{planted}: {}",
+            show(&out)
+        );
+        let out = env.ok(["lock-status", "--all", "--json"]);
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let locks = doc["locks"].as_array().unwrap();
+        let app = locks.iter().find(|l| l["name"] == "app");
+        assert!(
+            app.is_some_and(|a| a["image_state"].is_null()),
+            "{planted}: {doc}"
+        );
+        let json = env.images_json();
+        assert!(
+            json.iter().any(|i| i["name"] == "app"),
+            "{planted}: {json:?}"
+        );
+        let out = env.ok(["gc", "--dry-run"]);
+        assert!(
+            stdout(&out).contains("kept 'app'"),
+            "{planted}: {}",
+            show(&out)
+        );
+        env.ok(["doctor", "--repair"]);
+        assert!(env.images_json().iter().any(|i| i["name"] == "app"));
+    }
+}
+
 #[test]
 fn lock_status_of_an_image_that_does_not_exist_says_so() {
     let env = Env::new();
