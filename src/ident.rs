@@ -434,6 +434,8 @@ pub fn root_given(dir: &std::path::Path) {
 impl std::fmt::Display for Stowage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match GIVEN_ROOT.get() {
+            // `--root=-r`: a root that starts with '-' would be read as an option after a blank.
+            Some(root) if root.starts_with('-') => write!(f, "stowage --root={root}"),
             Some(root) => write!(f, "stowage --root {root}"),
             None => f.write_str("stowage"),
         }

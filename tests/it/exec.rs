@@ -1201,7 +1201,7 @@ fn a_hint_names_the_root_it_was_given() {
     let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap());
     let ran = Command::new("sh")
         .args(["-c", hint])
-        .env("PATH", path)
+        .env("PATH", &path)
         .env_remove("STOWAGE_ROOT")
         .status()
         .unwrap();
@@ -1214,6 +1214,32 @@ fn a_hint_names_the_root_it_was_given() {
     assert_ne!(code(&out), Some(0), "{}", show(&out));
     let fix = format!("'stowage --root {root} doctor --repair' sets it aside");
     assert!(stderr(&out).contains(&fix), "{}", show(&out));
+    // A root that starts with '-' is named as `--root=…`: after a blank it reads as an option
+    // (run as printed, `--root -r` was a usage error).
+    let dir = env.tmp.path();
+    let at = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.args(args).current_dir(dir).env_remove("STOWAGE_ROOT");
+        output(c)
+    };
+    assert_eq!(
+        code(&at(&["--root=-r", "exec", "--write", "a", "--", "true"])),
+        Some(0)
+    );
+    fs::remove_file(dir.join("-r/locks/images/a.lock")).unwrap();
+    fs::create_dir(dir.join("-r/locks/images/a.lock")).unwrap();
+    let out = at(&["--root=-r", "exec", "--read", "a", "--", "true"]);
+    let err = stderr(&out);
+    let hint = (err.split('\'').find(|s| s.starts_with("stowage "))).unwrap_or_default();
+    assert!(hint.starts_with("stowage --root=-r "), "{err}");
+    let ran = Command::new("sh")
+        .args(["-c", hint])
+        .env("PATH", &path)
+        .current_dir(dir)
+        .env_remove("STOWAGE_ROOT")
+        .status()
+        .unwrap();
+    assert!(ran.success(), "{hint}");
 }
 
 /// A command that cannot be started (a typo, a directory, a file without
