@@ -44,6 +44,9 @@ pub struct Loans {
     guard: Option<Guard>,
     /// The base as a wait says it; `None`: quiet.
     shown: Option<String>,
+    /// When every wait for the lock gives up (the exec's `--wait`; now for `--no-wait`); `None`:
+    /// none does.
+    deadline: Option<std::time::Instant>,
     /// Our journal as loans share it (one descriptor however many are out), the lock held
     /// exclusively.
     lending: Option<Journal>,
@@ -120,14 +123,21 @@ impl Drop for Loans {
 impl Loans {
     /// Takes the lend lock at `path` of the base whose top is `top`, shared (exclusive if a killed
     /// lender's journal must be restored first), waiting out a lender. A wait that goes on is said
-    /// with the base's name `shown`, unless `None`.
-    pub fn take(path: PathBuf, top: &Dir, shown: Option<String>) -> Result<Loans> {
+    /// with the base's name `shown`, unless `None`. Every wait, here and for a loan later, gives
+    /// up at `deadline` (busy, as any lock wait of the exec).
+    pub fn take(
+        path: PathBuf,
+        top: &Dir,
+        shown: Option<String>,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Loans> {
         let top = top.duplicate().context("cannot open the base")?;
         let mut loans = Loans {
             path,
             top,
             guard: None,
             shown,
+            deadline,
             lending: None,
         };
         loans.lock(Mode::Shared)?;
@@ -143,7 +153,7 @@ impl Loans {
         (self.lending, self.guard) = (None, None);
         let shown = self.path.display();
         let dir = self.path.parent().unwrap_or(self.path.as_path());
-        let mut wait = Wait::on(dir, None);
+        let mut wait = Wait::on(dir, self.deadline);
         if let Some(base) = &self.shown {
             let why = match mode {
                 Mode::Shared => format!(
@@ -161,9 +171,21 @@ impl Loans {
             };
             wait.notice = Some((NOTICE, Box::new(say)));
         }
+        let since = std::time::Instant::now();
         let got = lock::acquire(&self.path, mode, IfMissing::Create, &mut wait)
             .map_err(|e| lock::error("the base's lend lock", &self.path, e))?;
-        let guard = got.or_else_busy(|| anyhow::anyhow!("cannot lock {shown}"))?;
+        let guard = got.or_else_busy(|| {
+            let holders = match mode {
+                Mode::Shared => "held by another copy of the image lending itself owner access",
+                Mode::Exclusive => "held by other copies of the image",
+            };
+            crate::Error::Busy(crate::error::Busy {
+                what: format!("the base's lend lock {shown}"),
+                holders: holders.into(),
+                waited: since.elapsed(),
+            })
+            .into()
+        })?;
         if mode == Mode::Exclusive {
             restore(guard.file(), &self.path, &self.top)
                 .with_context(|| format!("cannot restore the modes journaled for {shown}"))?;
