@@ -1999,6 +1999,35 @@ fn doctor_repair_names_who_must_restore_another_members_loans() {
     assert_eq!(mode_of(&a), 0o000, "after root's repair");
 }
 
+/// Another member's `gc` killed while it rewrites the lend file of a base whose loans uid 1001's
+/// killed copy left: the lend file still names uid 1001, so doctor says so and root's repair puts
+/// the mode back. Before, the file was emptied first: its kill there left the journal unnamed,
+/// never restored and never reported.
+#[test]
+fn a_member_killed_rewriting_the_lend_file_keeps_the_other_lenders() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let exec = ["--write", "k", "--from", "base"];
+    paused_as(&env, 1001, &exec, "clone-copying").kill_all();
+    assert_eq!(mode_of(&a), 0o500, "lent");
+    stowage_paused_as(&env, 65534, &["gc"], "lenders-written").kill_all();
+    let lend = env.root.join("locks/images/base.lend");
+    let named = fs::read_to_string(&lend).unwrap();
+    assert!(named.lines().any(|l| l == "1001"), "{named:?}");
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("loans"), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(mode_of(&a), 0o000, "after root's repair");
+}
+
 /// Rebuilding from a base another member's image that the images
 /// directory (sticky, root's) does not let the caller replace: refused
 /// before anything is deleted, and the image keeps its files, state and
@@ -2060,6 +2089,14 @@ fn a_repair_leaves_a_copy_whose_lock_file_was_unlinked_alone() {
 /// `stowage exec EXEC -- true` run as uid `uid` (group 100), paused at debug point `point`: it
 /// says so in a directory every uid may write.
 fn paused_as(env: &Env, uid: u32, exec: &[&str], point: &str) -> Bg {
+    let mut args = vec!["exec"];
+    args.extend(exec);
+    args.extend(["--", "true"]);
+    stowage_paused_as(env, uid, &args, point)
+}
+
+/// `stowage ARGS` run as uid `uid` (group 100), paused at debug point `point` (see [`paused_as`]).
+fn stowage_paused_as(env: &Env, uid: u32, args: &[&str], point: &str) -> Bg {
     let pauses = env.tmp.path().join(format!("pauses-{uid}"));
     fs::create_dir(&pauses).unwrap();
     fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
@@ -2070,9 +2107,7 @@ fn paused_as(env: &Env, uid: u32, exec: &[&str], point: &str) -> Bg {
         .arg(bin())
         .arg("--root")
         .arg(&env.root)
-        .arg("exec")
-        .args(exec)
-        .args(["--", "true"])
+        .args(args)
         .env(
             stowage::env::DEBUG_PAUSE,
             format!("{point}:{}", file.display()),
