@@ -2117,3 +2117,35 @@ fn stowage_paused_as(env: &Env, uid: u32, args: &[&str], point: &str) -> Bg {
     wait_for_file(&file);
     bg
 }
+
+/// Rebuilding from a base a member's image holding a sticky directory (as `/tmp` is) with another
+/// user's file in it: refused before anything is deleted, naming the file's and the directory's
+/// owners; the image keeps its files and state. Before, the files beside it were deleted first and
+/// the image was left emptied in part and `incomplete`.
+#[test]
+fn a_rebuild_of_an_image_with_anothers_file_in_a_sticky_directory_is_refused_first() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    builds_as(
+        &env,
+        1001,
+        "app",
+        "cd \"$STOWAGE_IMAGE_DIR\" && echo 1 > top1 && mkdir s && chmod 1777 s && echo x > s/afile",
+    );
+    let write = ["exec", "--write", "app", "--", "sh", "-c"];
+    let mut add = write.to_vec();
+    add.push("echo b > \"$STOWAGE_IMAGE_DIR/bfile\"");
+    assert_eq!(as_uid(&env, 65534, &add).status.code(), Some(0));
+    let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 65534, &rebuild);
+    assert_eq!(code, Some(1), "{said}");
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(
+        said.contains("afile") && said.contains("sticky") && said.contains("nothing was deleted"),
+        "{said}"
+    );
+    assert_eq!(names_in(&env, "app"), ["bfile", "s", "top1"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
