@@ -14,7 +14,8 @@
 //!   stack). Only its lender can write it (its own, no group or other write bit, one name): in a
 //!   group store any member may write the lend file, so a line there could make a restorer take
 //!   owner bits away. The lend file only names the uids with a journal (an empty one: no loan,
-//!   so a copy reads nothing more). Whoever next holds the lock exclusively (the next copy, `gc`,
+//!   so a copy reads nothing more), besides the loan lines the previous release journaled in it
+//!   (restored by the inode's owner or root, else kept). Whoever next holds the lock exclusively (the next copy, `gc`,
 //!   `doctor --repair`) restores what a killed lender left: a line of UID's journal, on an inode
 //!   of UID's that is the same and still has the lent mode, gets its mode back — by UID or root;
 //!   anyone else says whose loans are left.
@@ -112,10 +113,10 @@ impl Drop for Loans {
         let Ok(st) = dir::fstat(&*j.file) else { return };
         let name = OsStr::from_bytes(j.name.to_bytes());
         if j.dir.unlink_if(name, st.st_dev, st.st_ino).is_ok()
-            && let Ok(mut uids) = lenders(g.file())
+            && let Ok((mut uids, old)) = lend_lines(g.file())
         {
             uids.retain(|u| *u != st.st_uid);
-            let _ = set_lenders(g.file(), &uids);
+            let _ = set_lenders(g.file(), &uids, &old);
         }
     }
 }
@@ -215,10 +216,10 @@ impl Loans {
         }
         let me = nix::unistd::geteuid().as_raw();
         let lend = self.lend_file()?;
-        let mut uids = lenders(lend)?;
+        let (mut uids, old) = lend_lines(lend)?;
         if !uids.contains(&me) {
             uids.push(me);
-            set_lenders(lend, &uids)?;
+            set_lenders(lend, &uids, &old)?;
         }
         let (dir, name) = journal_of(&self.path, me, true)?.ok_or(io::ErrorKind::NotFound)?;
         let flags = libc::O_RDWR | libc::O_CREAT;
@@ -292,31 +293,44 @@ fn unhex(word: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// At most this much of a lend file is read: a uid a line, a few at once; any member may write
-/// it, so more is not read.
-const LENDERS_MAX: usize = 4096;
+/// At most this much of a lend file is read: a uid a line, a few at once, and the loans an older
+/// release's killed copy left (see [`lend_lines`]); any member may write it, so more is not read.
+const LENDERS_MAX: usize = 1 << 20;
 
 /// The uids the lend file `lend` names as having a journal; anything else in it is passed over.
 fn lenders(lend: &File) -> io::Result<Vec<u32>> {
+    lend_lines(lend).map(|(uids, _)| uids)
+}
+
+/// The lend file's uids, and its loan lines (`MODE LENT DEV INO NAMES`, as in a journal): the
+/// previous release journaled its loans in the lend file itself, and a copy of it killed mid-loan
+/// left them there for us to restore (or keep). Anything else, or a line cut short, is passed over.
+fn lend_lines(lend: &File) -> io::Result<(Vec<u32>, Vec<String>)> {
     let mut text = vec![0u8; LENDERS_MAX];
     // By offset: the descriptor's position is the lock's business.
     let n = lend.read_at(&mut text, 0)?;
-    let mut uids: Vec<u32> = Vec::new();
-    for word in String::from_utf8_lossy(&text[..n]).split_terminator('\n') {
-        if let Ok(uid) = word.parse()
-            && !uids.contains(&uid)
-        {
-            uids.push(uid);
+    let (mut uids, mut old): (Vec<u32>, Vec<String>) = (Vec::new(), Vec::new());
+    let text = String::from_utf8_lossy(&text[..n]);
+    let ended = text.rfind('\n').map_or("", |at| &text[..=at]);
+    for word in ended.split_terminator('\n') {
+        if let Ok(uid) = word.parse() {
+            if !uids.contains(&uid) {
+                uids.push(uid);
+            }
+        } else if word.split(' ').count() == 5 {
+            old.push(word.to_owned());
         }
     }
-    Ok(uids)
+    Ok((uids, old))
 }
 
-/// Writes `uids` as the lend file's content (held exclusively), synced. Written over the old
-/// content before it is cut to length: a kill between leaves more uids than meant (a uid without a
-/// journal is passed over), never fewer — the lend file is the only way to another lender's journal.
-fn set_lenders(lend: &File, uids: &[u32]) -> io::Result<()> {
-    let text: String = uids.iter().map(|u| format!("{u}\n")).collect();
+/// Writes `uids`, then the older release's loan lines `old` still outstanding, as the lend file's
+/// content (held exclusively), synced. Written over the old content before it is cut to length: a
+/// kill between leaves more than meant (a uid without a journal is passed over), never less — the
+/// lend file is the only way to another lender's journal.
+fn set_lenders(lend: &File, uids: &[u32], old: &[String]) -> io::Result<()> {
+    let mut text: String = uids.iter().map(|u| format!("{u}\n")).collect();
+    text.extend(old.iter().map(|l| format!("{l}\n")));
     lend.write_all_at(text.as_bytes(), 0)?;
     crate::debug::pause("lenders-written");
     lend.set_len(text.len() as u64)?;
@@ -494,7 +508,8 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
         return Ok(());
     }
     let (mut left, mut refused) = (Vec::new(), None);
-    for uid in lenders(lend)? {
+    let (uids, old) = lend_lines(lend)?;
+    for uid in uids {
         match restore_journal(path, uid, top) {
             Ok(false) => {}
             Ok(true) => left.push(uid),
@@ -504,11 +519,12 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
             }
         }
     }
-    set_lenders(lend, &left)?;
+    let (kept, of) = restore_old_lines(&old, top, &mut refused);
+    set_lenders(lend, &left, &kept)?;
     if let Some(e) = refused {
         return Err(e);
     }
-    match left.first() {
+    match left.first().or(of.as_ref()) {
         None => Ok(()),
         Some(uid) => Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -517,6 +533,28 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
             ),
         )),
     }
+}
+
+/// Restores, last first, the loan lines an older release left in the lend file (`old`) where the
+/// inode is ours (any, for root), with a journal line's checks: the lines still outstanding (kept,
+/// never dropped), and the uid of one such. A failure is kept in `refused`, its line too.
+fn restore_old_lines(
+    old: &[String],
+    top: &Dir,
+    refused: &mut Option<io::Error>,
+) -> (Vec<String>, Option<u32>) {
+    let me = nix::unistd::geteuid().as_raw();
+    let owner = (me != 0).then_some(me);
+    let (mut kept, mut of) = (Vec::new(), None);
+    for line in old.iter().rev() {
+        match restore_line(line, top, owner) {
+            Ok(None) => continue,
+            Ok(Some(uid)) => _ = of.get_or_insert(uid),
+            Err(e) => _ = refused.get_or_insert(e),
+        }
+        kept.insert(0, line.clone());
+    }
+    (kept, of)
 }
 
 /// Restores `uid`'s journal for the lend file at `path` on the tree `top` where it is ours to (ours,
@@ -542,16 +580,17 @@ fn restore_journal(path: &Path, uid: u32, top: &Dir) -> io::Result<bool> {
 
 /// Puts back every loan of `uid`'s journal on the tree `top`, last first, then empties it.
 fn empty_journal(journal: &File, uid: u32, top: &Dir) -> io::Result<()> {
-    lines_last_first(journal, |line| restore_line(line, top, uid))?;
+    lines_last_first(journal, |line| restore_line(line, top, Some(uid)).map(drop))?;
     journal.set_len(0)?;
     journal.sync_data()
 }
 
-/// Puts back the loan journaled in `line` of `owner`'s journal where it is one (see [`restore`]).
-fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
+/// Puts back the loan journaled in `line` of `owner`'s journal where it is one (see [`restore`];
+/// `owner` `None`: whoever owns the inode). A loan still out on an inode not `owner`'s: its uid.
+fn restore_line(line: &str, top: &Dir, owner: Option<u32>) -> io::Result<Option<u32>> {
     let w: Vec<&str> = line.split(' ').collect();
     let [was, lent, dev, ino, names] = w[..] else {
-        return Ok(());
+        return Ok(None);
     };
     let num = |s: &str, radix| u64::from_str_radix(s, radix).ok();
     let (Some(was), Some(lent), Some(dev), Some(ino), Some(names)) = (
@@ -561,30 +600,30 @@ fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
         num(ino, 10),
         unhex(names),
     ) else {
-        return Ok(());
+        return Ok(None);
     };
     // A loan adds owner read (and search) bits, and nothing else.
     let added = lent & !was;
     if lent > 0o7777 || was & !lent != 0 || added == 0 || added & !0o500 != 0 {
-        return Ok(());
+        return Ok(None);
     }
     let inside = |n: &[u8]| !n.is_empty() && n != b"." && n != b"..";
     if !names.split(|b| *b == b'/').all(inside) {
-        return Ok(());
+        return Ok(None);
     }
     let Ok(fd) = open_journaled(top, &names) else {
-        return Ok(());
+        return Ok(None);
     };
     let st = dir::fstat(&fd)?;
     // Another inode at that name now, a mode changed since by a writer, or an inode its journal's
     // owner could not have lent: not ours to set.
-    if (st.st_dev, st.st_ino) != (dev, ino)
-        || u64::from(st.st_mode & 0o7777) != lent
-        || st.st_uid != owner
-    {
-        return Ok(());
+    if (st.st_dev, st.st_ino) != (dev, ino) || u64::from(st.st_mode & 0o7777) != lent {
+        return Ok(None);
     }
-    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t)
+    if owner.is_some_and(|o| o != st.st_uid) {
+        return Ok(Some(st.st_uid));
+    }
+    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t).map(|()| None)
 }
 
 /// Restores what a killed lender left journaled for the lend file at `path` on the tree `top`, if

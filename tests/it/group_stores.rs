@@ -2149,3 +2149,51 @@ fn a_rebuild_of_an_image_with_anothers_file_in_a_sticky_directory_is_refused_fir
     assert_eq!(names_in(&env, "app"), ["bfile", "s", "top1"]);
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
+
+/// Lends `img/base/a/b/f` (uid 1001's, mode 000) owner read as the previous release did after a
+/// kill: its loan line (mode before, mode lent, device, inode, names in hex) in the lend file
+/// itself, the mode lent.
+fn lend_the_old_way(env: &Env) -> std::path::PathBuf {
+    let f = env.root.join("img/base/a/b/f");
+    let st = fs::metadata(&f).unwrap();
+    let names: String = b"a/b/f".iter().map(|b| format!("{b:02x}")).collect();
+    let line = format!("0 400 {} {} {names}\n", st.dev(), st.ino());
+    fs::write(env.root.join("locks/images/base.lend"), line).unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o400)).unwrap();
+    f
+}
+
+/// A loan the previous release left in the lend file itself (its format then): another member's
+/// copy keeps it and names uid 1001; the owner's copy, and root's `doctor --repair`, put the mode
+/// back. Before, a copy erased the line and left the mode lent for good, and the repair said it
+/// restored it.
+#[test]
+fn a_loan_an_older_release_left_in_the_lend_file_is_restored_or_kept() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir -p a/b && echo x > a/b/f && chmod 000 a/b/f",
+    );
+    let copy = |uid, to| {
+        let args = ["exec", "--write", to, "--from", "base", "--", "true"];
+        said_by(&env, uid, &args)
+    };
+    assert_eq!(copy(1001, "c0").0, Some(0), "makes the lend file");
+    let f = lend_the_old_way(&env);
+    let (code, said) = copy(65534, "c1");
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("uid 1001"), "{said}");
+    assert_eq!(mode_of(&f), 0o400, "another's loan is kept");
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("loans"), "{}", show(&out));
+    assert_eq!(copy(1001, "c2").0, Some(0));
+    assert_eq!(mode_of(&f), 0o000, "restored by its owner's copy");
+    assert_eq!(mode_of(&env.root.join("img/c2/a/b/f")), 0o000);
+    lend_the_old_way(&env);
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(mode_of(&f), 0o000, "restored by root's repair");
+}
