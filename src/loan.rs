@@ -14,8 +14,8 @@
 //!   stack). Only its lender can write it (its own, no group or other write bit, one name): in a
 //!   group store any member may write the lend file, so a line there could make a restorer take
 //!   owner bits away. The lend file only names the uids with a journal (an empty one: no loan,
-//!   so a copy reads nothing more), besides the loan lines the previous release journaled in it
-//!   (restored by the inode's owner or root, else kept). Whoever next holds the lock exclusively (the next copy, `gc`,
+//!   so a copy reads nothing more), besides loan lines the previous release journaled in it:
+//!   kept and reported, never acted on (anyone of the group may have written them). Whoever next holds the lock exclusively (the next copy, `gc`,
 //!   `doctor --repair`) restores what a killed lender left: a line of UID's journal, on an inode
 //!   of UID's that is the same and still has the lent mode, gets its mode back — by UID or root;
 //!   anyone else says whose loans are left.
@@ -304,7 +304,7 @@ fn lenders(lend: &File) -> io::Result<Vec<u32>> {
 
 /// The lend file's uids, and its loan lines (`MODE LENT DEV INO NAMES`, as in a journal): the
 /// previous release journaled its loans in the lend file itself, and a copy of it killed mid-loan
-/// left them there for us to restore (or keep). Anything else, or a line cut short, is passed over.
+/// left them there: kept (see [`restore_left`]). Anything else, or a line cut short, is passed over.
 fn lend_lines(lend: &File) -> io::Result<(Vec<u32>, Vec<String>)> {
     let mut text = vec![0u8; LENDERS_MAX];
     // By offset: the descriptor's position is the lock's business.
@@ -519,12 +519,11 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
             }
         }
     }
-    let (kept, of) = restore_old_lines(&old, top, &mut refused);
-    set_lenders(lend, &left, &kept)?;
+    set_lenders(lend, &left, &old)?;
     if let Some(e) = refused {
         return Err(e);
     }
-    match left.first().or(of.as_ref()) {
+    match left.first() {
         None => Ok(()),
         Some(uid) => Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -533,28 +532,6 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
             ),
         )),
     }
-}
-
-/// Restores, last first, the loan lines an older release left in the lend file (`old`) where the
-/// inode is ours (any, for root), with a journal line's checks: the lines still outstanding (kept,
-/// never dropped), and the uid of one such. A failure is kept in `refused`, its line too.
-fn restore_old_lines(
-    old: &[String],
-    top: &Dir,
-    refused: &mut Option<io::Error>,
-) -> (Vec<String>, Option<u32>) {
-    let me = nix::unistd::geteuid().as_raw();
-    let owner = (me != 0).then_some(me);
-    let (mut kept, mut of) = (Vec::new(), None);
-    for line in old.iter().rev() {
-        match restore_line(line, top, owner) {
-            Ok(None) => continue,
-            Ok(Some(uid)) => _ = of.get_or_insert(uid),
-            Err(e) => _ = refused.get_or_insert(e),
-        }
-        kept.insert(0, line.clone());
-    }
-    (kept, of)
 }
 
 /// Restores `uid`'s journal for the lend file at `path` on the tree `top` where it is ours to (ours,
@@ -580,17 +557,16 @@ fn restore_journal(path: &Path, uid: u32, top: &Dir) -> io::Result<bool> {
 
 /// Puts back every loan of `uid`'s journal on the tree `top`, last first, then empties it.
 fn empty_journal(journal: &File, uid: u32, top: &Dir) -> io::Result<()> {
-    lines_last_first(journal, |line| restore_line(line, top, Some(uid)).map(drop))?;
+    lines_last_first(journal, |line| restore_line(line, top, uid))?;
     journal.set_len(0)?;
     journal.sync_data()
 }
 
-/// Puts back the loan journaled in `line` of `owner`'s journal where it is one (see [`restore`];
-/// `owner` `None`: whoever owns the inode). A loan still out on an inode not `owner`'s: its uid.
-fn restore_line(line: &str, top: &Dir, owner: Option<u32>) -> io::Result<Option<u32>> {
+/// Puts back the loan journaled in `line` of `owner`'s journal where it is one (see [`restore`]).
+fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
     let w: Vec<&str> = line.split(' ').collect();
     let [was, lent, dev, ino, names] = w[..] else {
-        return Ok(None);
+        return Ok(());
     };
     let num = |s: &str, radix| u64::from_str_radix(s, radix).ok();
     let (Some(was), Some(lent), Some(dev), Some(ino), Some(names)) = (
@@ -600,39 +576,48 @@ fn restore_line(line: &str, top: &Dir, owner: Option<u32>) -> io::Result<Option<
         num(ino, 10),
         unhex(names),
     ) else {
-        return Ok(None);
+        return Ok(());
     };
     // A loan adds owner read (and search) bits, and nothing else.
     let added = lent & !was;
     if lent > 0o7777 || was & !lent != 0 || added == 0 || added & !0o500 != 0 {
-        return Ok(None);
+        return Ok(());
     }
     let inside = |n: &[u8]| !n.is_empty() && n != b"." && n != b"..";
     if !names.split(|b| *b == b'/').all(inside) {
-        return Ok(None);
+        return Ok(());
     }
     let Ok(fd) = open_journaled(top, &names) else {
-        return Ok(None);
+        return Ok(());
     };
     let st = dir::fstat(&fd)?;
     // Another inode at that name now, a mode changed since by a writer, or an inode its journal's
     // owner could not have lent: not ours to set.
-    if (st.st_dev, st.st_ino) != (dev, ino) || u64::from(st.st_mode & 0o7777) != lent {
-        return Ok(None);
+    if (st.st_dev, st.st_ino) != (dev, ino)
+        || u64::from(st.st_mode & 0o7777) != lent
+        || st.st_uid != owner
+    {
+        return Ok(());
     }
-    if owner.is_some_and(|o| o != st.st_uid) {
-        return Ok(Some(st.st_uid));
-    }
-    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t).map(|()| None)
+    dir::chmod_o_path(fd.as_raw_fd(), was as libc::mode_t)
 }
 
 /// Restores what a killed lender left journaled for the lend file at `path` on the tree `top`, if
 /// no copy holds its lock now: whether it did.
 pub fn restore_left(path: &Path, top: &Dir) -> io::Result<bool> {
-    match lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Fail)? {
-        Some(g) => restore(g.file(), path, top).map(|()| true),
-        None => Ok(false),
+    let Some(g) = lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Fail)? else {
+        return Ok(false);
+    };
+    restore(g.file(), path, top)?;
+    // Kept, never acted on: any member may have written them (a loan counts only in its lender's
+    // journal), so whether a mode they name is still lent is for its owner or root to judge.
+    if !lend_lines(g.file())?.1.is_empty() {
+        let path = path.display();
+        return Err(io::Error::other(format!(
+            "{path} holds loan lines an older release wrote there, which any member may have written, so they are not acted on: check the mode of each entry they name (its owner or root), then remove the lines"
+        )));
     }
+    Ok(true)
 }
 
 /// Ends the loans of a removed image: the journals its lend file `lend` (at `path`, held
