@@ -614,7 +614,7 @@ pub fn restore_left(path: &Path, top: &Dir) -> io::Result<bool> {
     if !lend_lines(g.file())?.1.is_empty() {
         let path = path.display();
         return Err(io::Error::other(format!(
-            "{path} holds loan lines an older release wrote there, which any member may have written, so they are not acted on: check the mode of each entry they name (its owner or root), then remove the lines"
+            "{path} holds an older release's loan lines, not acted on (any member may write it): its owner or root checks the modes they name, then removes them"
         )));
     }
     Ok(true)
