@@ -1122,7 +1122,7 @@ mod tests {
             Dir::open_nofollow(&src).unwrap(),
             Dir::open_nofollow(&dst).unwrap(),
         );
-        let mut loans = Loans::take(d.path().join("lend"), &s, None).unwrap();
+        let mut loans = Loans::take(d.path().join("lend"), &s, None, None).unwrap();
         let bar = &mut Bar::new(String::new(), false);
         let out = copy_tree_at((s, &src), (t, &dst), &mut loans, bar, &mut false).unwrap();
         assert_eq!(out.files, 2);

@@ -59,7 +59,11 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     if let Some(base) = from {
         // A copy takes a while: its holder is named meanwhile.
         crate::lease::announce();
-        session = copy_base(store, session, plan, base, &req.writes[0])?;
+        // A base's lend lock busy past the deadline skips the command as any lock does.
+        session = match copy_base(store, session, plan, base, &req.writes[0]) {
+            Ok(session) => session,
+            Err(e) => return refused(store, plan, e),
+        };
     }
 
     // Ours, where the images are, and the tree of the one image written.
@@ -131,7 +135,7 @@ fn copy_base(
         }
     };
     let mut changed = false;
-    if let Err(e) = session.clone_into(store, opened, base, target, &mut changed) {
+    if let Err(e) = session.clone_into(store, &plan.request, opened, base, target, &mut changed) {
         // Failed before anything of the image changed (its tree not ours to empty, no descriptor
         // left to open it): undone as above. Else the image is incomplete.
         if changed {

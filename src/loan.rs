@@ -14,7 +14,8 @@
 //!   stack). Only its lender can write it (its own, no group or other write bit, one name): in a
 //!   group store any member may write the lend file, so a line there could make a restorer take
 //!   owner bits away. The lend file only names the uids with a journal (an empty one: no loan,
-//!   so a copy reads nothing more). Whoever next holds the lock exclusively (the next copy, `gc`,
+//!   so a copy reads nothing more), besides loan lines the previous release journaled in it:
+//!   kept and reported, never acted on (anyone of the group may have written them). Whoever next holds the lock exclusively (the next copy, `gc`,
 //!   `doctor --repair`) restores what a killed lender left: a line of UID's journal, on an inode
 //!   of UID's that is the same and still has the lent mode, gets its mode back — by UID or root;
 //!   anyone else says whose loans are left.
@@ -44,6 +45,9 @@ pub struct Loans {
     guard: Option<Guard>,
     /// The base as a wait says it; `None`: quiet.
     shown: Option<String>,
+    /// When every wait for the lock gives up (the exec's `--wait`; now for `--no-wait`); `None`:
+    /// none does.
+    deadline: Option<std::time::Instant>,
     /// Our journal as loans share it (one descriptor however many are out), the lock held
     /// exclusively.
     lending: Option<Journal>,
@@ -109,10 +113,10 @@ impl Drop for Loans {
         let Ok(st) = dir::fstat(&*j.file) else { return };
         let name = OsStr::from_bytes(j.name.to_bytes());
         if j.dir.unlink_if(name, st.st_dev, st.st_ino).is_ok()
-            && let Ok(mut uids) = lenders(g.file())
+            && let Ok((mut uids, old)) = lend_lines(g.file())
         {
             uids.retain(|u| *u != st.st_uid);
-            let _ = set_lenders(g.file(), &uids);
+            let _ = set_lenders(g.file(), &uids, &old);
         }
     }
 }
@@ -120,14 +124,21 @@ impl Drop for Loans {
 impl Loans {
     /// Takes the lend lock at `path` of the base whose top is `top`, shared (exclusive if a killed
     /// lender's journal must be restored first), waiting out a lender. A wait that goes on is said
-    /// with the base's name `shown`, unless `None`.
-    pub fn take(path: PathBuf, top: &Dir, shown: Option<String>) -> Result<Loans> {
+    /// with the base's name `shown`, unless `None`. Every wait, here and for a loan later, gives
+    /// up at `deadline` (busy, as any lock wait of the exec).
+    pub fn take(
+        path: PathBuf,
+        top: &Dir,
+        shown: Option<String>,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Loans> {
         let top = top.duplicate().context("cannot open the base")?;
         let mut loans = Loans {
             path,
             top,
             guard: None,
             shown,
+            deadline,
             lending: None,
         };
         loans.lock(Mode::Shared)?;
@@ -143,7 +154,7 @@ impl Loans {
         (self.lending, self.guard) = (None, None);
         let shown = self.path.display();
         let dir = self.path.parent().unwrap_or(self.path.as_path());
-        let mut wait = Wait::on(dir, None);
+        let mut wait = Wait::on(dir, self.deadline);
         if let Some(base) = &self.shown {
             let why = match mode {
                 Mode::Shared => format!(
@@ -161,9 +172,21 @@ impl Loans {
             };
             wait.notice = Some((NOTICE, Box::new(say)));
         }
+        let since = std::time::Instant::now();
         let got = lock::acquire(&self.path, mode, IfMissing::Create, &mut wait)
             .map_err(|e| lock::error("the base's lend lock", &self.path, e))?;
-        let guard = got.or_else_busy(|| anyhow::anyhow!("cannot lock {shown}"))?;
+        let guard = got.or_else_busy(|| {
+            let holders = match mode {
+                Mode::Shared => "held by another copy of the image lending itself owner access",
+                Mode::Exclusive => "held by other copies of the image",
+            };
+            crate::Error::Busy(crate::error::Busy {
+                what: format!("the base's lend lock {shown}"),
+                holders: holders.into(),
+                waited: since.elapsed(),
+            })
+            .into()
+        })?;
         if mode == Mode::Exclusive {
             restore(guard.file(), &self.path, &self.top)
                 .with_context(|| format!("cannot restore the modes journaled for {shown}"))?;
@@ -193,10 +216,10 @@ impl Loans {
         }
         let me = nix::unistd::geteuid().as_raw();
         let lend = self.lend_file()?;
-        let mut uids = lenders(lend)?;
+        let (mut uids, old) = lend_lines(lend)?;
         if !uids.contains(&me) {
             uids.push(me);
-            set_lenders(lend, &uids)?;
+            set_lenders(lend, &uids, &old)?;
         }
         let (dir, name) = journal_of(&self.path, me, true)?.ok_or(io::ErrorKind::NotFound)?;
         let flags = libc::O_RDWR | libc::O_CREAT;
@@ -270,31 +293,47 @@ fn unhex(word: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// At most this much of a lend file is read: a uid a line, a few at once; any member may write
-/// it, so more is not read.
-const LENDERS_MAX: usize = 4096;
+/// At most this much of a lend file is read: a uid a line, a few at once, and the loans an older
+/// release's killed copy left (see [`lend_lines`]); any member may write it, so more is not read.
+const LENDERS_MAX: usize = 1 << 20;
 
 /// The uids the lend file `lend` names as having a journal; anything else in it is passed over.
 fn lenders(lend: &File) -> io::Result<Vec<u32>> {
+    lend_lines(lend).map(|(uids, _)| uids)
+}
+
+/// The lend file's uids, and its loan lines (`MODE LENT DEV INO NAMES`, as in a journal): the
+/// previous release journaled its loans in the lend file itself, and a copy of it killed mid-loan
+/// left them there: kept (see [`restore_left`]). Anything else, or a line cut short, is passed over.
+fn lend_lines(lend: &File) -> io::Result<(Vec<u32>, Vec<String>)> {
     let mut text = vec![0u8; LENDERS_MAX];
     // By offset: the descriptor's position is the lock's business.
     let n = lend.read_at(&mut text, 0)?;
-    let mut uids: Vec<u32> = Vec::new();
-    for word in String::from_utf8_lossy(&text[..n]).split_terminator('\n') {
-        if let Ok(uid) = word.parse()
-            && !uids.contains(&uid)
-        {
-            uids.push(uid);
+    let (mut uids, mut old): (Vec<u32>, Vec<String>) = (Vec::new(), Vec::new());
+    let text = String::from_utf8_lossy(&text[..n]);
+    let ended = text.rfind('\n').map_or("", |at| &text[..=at]);
+    for word in ended.split_terminator('\n') {
+        if let Ok(uid) = word.parse() {
+            if !uids.contains(&uid) {
+                uids.push(uid);
+            }
+        } else if word.split(' ').count() == 5 {
+            old.push(word.to_owned());
         }
     }
-    Ok(uids)
+    Ok((uids, old))
 }
 
-/// Writes `uids` as the lend file's content (held exclusively), synced.
-fn set_lenders(lend: &File, uids: &[u32]) -> io::Result<()> {
-    let text: String = uids.iter().map(|u| format!("{u}\n")).collect();
-    lend.set_len(0)?;
+/// Writes `uids`, then the older release's loan lines `old` still outstanding, as the lend file's
+/// content (held exclusively), synced. Written over the old content before it is cut to length: a
+/// kill between leaves more than meant (a uid without a journal is passed over), never less — the
+/// lend file is the only way to another lender's journal.
+fn set_lenders(lend: &File, uids: &[u32], old: &[String]) -> io::Result<()> {
+    let mut text: String = uids.iter().map(|u| format!("{u}\n")).collect();
+    text.extend(old.iter().map(|l| format!("{l}\n")));
     lend.write_all_at(text.as_bytes(), 0)?;
+    crate::debug::pause("lenders-written");
+    lend.set_len(text.len() as u64)?;
     lend.sync_data()
 }
 
@@ -469,7 +508,8 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
         return Ok(());
     }
     let (mut left, mut refused) = (Vec::new(), None);
-    for uid in lenders(lend)? {
+    let (uids, old) = lend_lines(lend)?;
+    for uid in uids {
         match restore_journal(path, uid, top) {
             Ok(false) => {}
             Ok(true) => left.push(uid),
@@ -479,7 +519,7 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
             }
         }
     }
-    set_lenders(lend, &left)?;
+    set_lenders(lend, &left, &old)?;
     if let Some(e) = refused {
         return Err(e);
     }
@@ -565,10 +605,19 @@ fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
 /// Restores what a killed lender left journaled for the lend file at `path` on the tree `top`, if
 /// no copy holds its lock now: whether it did.
 pub fn restore_left(path: &Path, top: &Dir) -> io::Result<bool> {
-    match lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Fail)? {
-        Some(g) => restore(g.file(), path, top).map(|()| true),
-        None => Ok(false),
+    let Some(g) = lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Fail)? else {
+        return Ok(false);
+    };
+    restore(g.file(), path, top)?;
+    // Kept, never acted on: any member may have written them (a loan counts only in its lender's
+    // journal), so whether a mode they name is still lent is for its owner or root to judge.
+    if !lend_lines(g.file())?.1.is_empty() {
+        let path = path.display();
+        return Err(io::Error::other(format!(
+            "{path} holds an older release's loan lines, not acted on (any member may write it): its owner or root checks the modes they name, then removes them"
+        )));
     }
+    Ok(true)
 }
 
 /// Ends the loans of a removed image: the journals its lend file `lend` (at `path`, held

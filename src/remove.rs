@@ -414,11 +414,29 @@ pub fn empty_image_dir(
 
 /// Refuses an entry of a tree to empty that we may not delete in, as known before deleting: a
 /// directory another user's that keeps us from listing or changing it (only its owner or root can
-/// empty it). One of ours is lent owner access by the emptying, so it is no refusal.
+/// empty it), or another user's entry in a sticky directory (`/tmp`'s 1777) not ours either, which
+/// the kernel lets only the entry's or the directory's owner unlink. One of ours is lent owner
+/// access by the emptying, so it is no refusal.
 fn refuses_deletion(parent: &Dir, name: &std::ffi::CStr, st: &libc::stat) -> std::io::Result<()> {
     use nix::unistd::{AccessFlags, faccessat};
     let me = nix::unistd::geteuid().as_raw();
-    if crate::dir::file_type(st) != libc::S_IFDIR || st.st_uid == me {
+    if st.st_uid == me {
+        return Ok(());
+    }
+    let up = crate::dir::fstat(parent)?;
+    if up.st_mode & libc::S_ISVTX != 0 && up.st_uid != me {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is uid {}'s in a sticky directory (mode {:04o}) of uid {}'s: only either user or root can delete it",
+                name.to_string_lossy(),
+                st.st_uid,
+                up.st_mode & 0o7777,
+                up.st_uid
+            ),
+        ));
+    }
+    if crate::dir::file_type(st) != libc::S_IFDIR {
         return Ok(());
     }
     let need = AccessFlags::R_OK | AccessFlags::W_OK | AccessFlags::X_OK;

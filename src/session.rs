@@ -387,10 +387,12 @@ impl Session {
 
     /// Makes the written image `target` a copy of `base`, emptied first. Both ends are opened from
     /// one descriptor of the images directory: a link swapped in above them cannot move the copy.
-    /// On failure, `changed` says whether anything of `target`'s tree changed first.
+    /// On failure, `changed` says whether anything of `target`'s tree changed first. The base's
+    /// lend lock is waited for as `req` waits for locks.
     pub fn clone_into(
         &self,
         store: &Store,
+        req: &Request,
         (images, s): (Dir, Dir),
         base: &ImageName,
         target: &ImageName,
@@ -414,7 +416,14 @@ impl Session {
         // left) leaves it as it was.
         let ctx = store.ctx();
         let shown = (!ctx.quiet).then(|| format!("'{base}'"));
-        let mut loans = crate::loan::Loans::take(store.root().image_lend(base), &s, shown)
+        // `--no-wait`: one try, as for the image locks.
+        let deadline = if req.no_wait {
+            Some(Instant::now())
+        } else {
+            req.deadline
+        };
+        let lend = store.root().image_lend(base);
+        let mut loans = crate::loan::Loans::take(lend, &s, shown, deadline)
             .with_context(|| format!("image '{base}'"))
             .with_context(cannot)?;
         may_make_ours(&images, target, &dst).with_context(cannot)?;

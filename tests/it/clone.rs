@@ -1619,3 +1619,38 @@ fn a_journal_of_loans_over_a_mebibyte_is_restored_whole() {
     let out = unprivileged(&env, &["doctor"]);
     assert!(!stdout(&out).contains("loans"), "{}", show(&out));
 }
+
+/// The lend lock of a base held by another (here a member's `flock`, as a copy lending holds it):
+/// a copy from it with `--no-wait` or `--wait S` gives up as for any lock, exit 75 (or
+/// `--conflict-exit-code`) and one line naming the base's lend lock, its command not run. Such a
+/// copy waited as long as the holder held it.
+#[test]
+fn a_copy_waits_for_the_bases_lend_lock_no_longer_than_asked() {
+    let env = Env::new();
+    env.build("base", "echo x > \"$STOWAGE_IMAGE_DIR/f\"");
+    let lend = env.root.join("locks/images/base.lend");
+    let mut c = Command::new("flock");
+    c.arg("-x").arg(&lend).args(env.hold_cmd("held", "release"));
+    let holder = Bg::from_command(c);
+    wait_for_file(&env.sentinel("held"));
+    let ran = env.tmp.path().join("ran");
+    let touch = format!("touch '{}'", ran.display());
+    for (when, exit) in [
+        (vec!["--no-wait"], 75),
+        (vec!["--wait", "0.3"], 75),
+        (vec!["--no-wait", "--conflict-exit-code", "42"], 42),
+    ] {
+        let mut args = vec!["exec"];
+        args.extend(when.iter().copied());
+        args.extend(["--write", "c", "--from", "base", "--", "sh", "-c", &touch]);
+        let out = env.run(&args);
+        assert_eq!(code(&out), Some(exit), "{when:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert_eq!(err.lines().count(), 1, "{when:?}: {err}");
+        assert!(err.contains("lend lock") && err.contains("base"), "{err}");
+        assert!(!ran.exists(), "{when:?}: the command ran");
+    }
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    env.ok(["exec", "--write", "c", "--from", "base", "--", "true"]);
+}
