@@ -1458,7 +1458,7 @@ fn a_wal_catalog_that_cannot_be_switched_back_is_set_aside_by_a_repair() {
     for part in [
         "cannot be switched back",
         "shared memory",
-        "'stowage doctor --repair'",
+        "doctor --repair' sets it aside",
     ] {
         assert!(said.contains(part), "{part}: {}", show(&out));
     }
