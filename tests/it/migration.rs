@@ -1644,7 +1644,7 @@ fn a_migrated_store_that_lost_its_configuration_is_repaired_not_migrated_again()
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
         let err = stderr(&out);
         assert!(err.contains("store.conf is missing"), "{args:?}: {err}");
-        assert!(err.contains("'stowage doctor --repair'"), "{args:?}: {err}");
+        assert!(err.contains("doctor --repair'"), "{args:?}: {err}");
         assert!(!err.contains("migrating"), "{args:?}: {err}");
         assert!(!conf.exists(), "{args:?} wrote a configuration");
     }
@@ -1672,7 +1672,7 @@ fn a_migrated_external_store_that_lost_its_configuration_is_repaired_not_migrate
     let out = env.run(["exec", "--write", "new", "--", "true"]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert!(
-        stderr(&out).contains("'stowage doctor --repair'"),
+        stderr(&out).contains("doctor --repair'"),
         "{}",
         show(&out)
     );
