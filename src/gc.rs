@@ -107,6 +107,9 @@ pub struct Report {
     pub lock_files_left: Vec<String>,
     /// Images whose modes lent by a killed copy were restored.
     pub loans_restored: Vec<String>,
+    /// Images whose lent modes a restore was refused (another user's loans: that user or root
+    /// must act), `name: why`.
+    pub loans_left: Vec<String>,
     /// Whether the images were measured: not where their directory could not be judged, and
     /// then `size_before` and `size_after` say nothing.
     pub measured: bool,
@@ -397,7 +400,13 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     report.trash_entries = trash.entries.len();
     report.bytes_freed += trash.bytes;
     report.failed.extend(trash.failed);
-    (report.loans_restored, _) = restore_loans(&root, &entries, !dry_run);
+    let (restored, left) = restore_loans(&root, &entries, !dry_run);
+    report.loans_restored = restored;
+    // Said where a restore was tried and refused; one not tried (a dry run, a copy at work) is not.
+    let refused = left
+        .into_iter()
+        .filter_map(|(n, why)| Some(format!("{n}: {}", why?)));
+    report.loans_left = refused.collect();
     Ok(())
 }
 

@@ -95,6 +95,10 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
             "restored the modes a killed copy of '{name}' left lent"
         ));
     }
+    for left in &report.loans_left {
+        let (name, why) = left.split_once(": ").unwrap_or((left, ""));
+        line(format!("image '{name}': {why}"));
+    }
     let n = report.trash_entries;
     if n > 0 {
         let ending = if n == 1 { "y" } else { "ies" };

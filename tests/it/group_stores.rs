@@ -1968,8 +1968,9 @@ fn a_lend_file_a_member_made_unwritable_is_named_with_its_owner_and_fix() {
 
 /// A copy by uid 1001 killed while it has a directory of the base lent:
 /// another member's doctor --repair cannot put the mode back, and says
-/// which uid must (1001, or root); root's does. Before, it advised
-/// 'stowage doctor --repair', what was just run.
+/// which uid must (1001, or root), and so does its gc; root's repair puts it
+/// back. Before, the repair advised 'stowage doctor --repair', what was just
+/// run, and gc said nothing.
 #[test]
 fn doctor_repair_names_who_must_restore_another_members_loans() {
     let Some(env) = group_store() else {
@@ -2001,6 +2002,16 @@ fn doctor_repair_names_who_must_restore_another_members_loans() {
         "{said}"
     );
     assert_eq!(mode_of(&a), 0o500);
+    // So does the member's gc (it said nothing of them).
+    let (_, said) = said_by(&env, 65534, &["gc"]);
+    let line = said
+        .lines()
+        .find(|l| l.starts_with("image 'base': "))
+        .unwrap_or_default();
+    assert!(
+        line.contains("uid 1001") && line.contains("only that user or root"),
+        "{said}"
+    );
     env.ok(["doctor", "--repair"]);
     assert_eq!(mode_of(&a), 0o000, "after root's repair");
 }

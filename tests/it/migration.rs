@@ -1671,11 +1671,7 @@ fn a_migrated_external_store_that_lost_its_configuration_is_repaired_not_migrate
     assert!(!conf.exists(), "images wrote a configuration");
     let out = env.run(["exec", "--write", "new", "--", "true"]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    assert!(
-        stderr(&out).contains("doctor --repair'"),
-        "{}",
-        show(&out)
-    );
+    assert!(stderr(&out).contains("doctor --repair'"), "{}", show(&out));
     assert!(!conf.exists(), "exec wrote a configuration");
     env.ok(["doctor", "--repair"]);
     assert_eq!(store_id(&env), id, "the store keeps its id");
