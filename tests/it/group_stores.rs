@@ -1110,12 +1110,7 @@ fn a_default_acl_above_a_group_store_leaves_every_new_part_group_writable() {
     }
     let env = env_for_members();
     // A project directory whose default ACL gives the group read only: it overrides the umask.
-    let acl = Command::new("setfacl")
-        .args(["-d", "-m", "u::rwx,g::rx,o::rx"])
-        .arg(env.tmp.path())
-        .output();
-    if !acl.as_ref().is_ok_and(|o| o.status.success()) {
-        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here): {acl:?}");
+    if !default_acl(env.tmp.path(), "u::rwx,g::rx,o::rx") {
         return;
     }
     owners_group_store(&env);
@@ -1374,12 +1369,7 @@ fn a_member_is_told_the_real_fault_of_a_part_that_keeps_it_out() {
     fs::create_dir(&ext).unwrap();
     std::os::unix::fs::chown(&ext, None, Some(GID)).unwrap();
     fs::set_permissions(&ext, fs::Permissions::from_mode(0o2770)).unwrap();
-    let acl = Command::new("setfacl")
-        .args(["-d", "-m", "g::rwx"])
-        .arg(&ext)
-        .status();
-    if !acl.is_ok_and(|s| s.success()) {
-        eprintln!("skipping the default ACL step: setfacl -d failed or is missing");
+    if !default_acl(&ext, "g::rwx") {
         return;
     }
     let conf = env.root.join("store.conf");
@@ -1401,12 +1391,7 @@ fn doctor_names_and_repairs_a_group_stores_outside_images_directory() {
     let Some(env) = group_store() else { return };
     let ext = env.tmp.path().join("ext");
     env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
-    let acl = Command::new("setfacl")
-        .args(["-d", "-m", "g::rx"])
-        .arg(&ext)
-        .status();
-    if !acl.is_ok_and(|s| s.success()) {
-        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here)");
+    if !default_acl(&ext, "g::rx") {
         return;
     }
     let out = env.run(["doctor"]);
@@ -1463,12 +1448,7 @@ fn an_access_acl_that_keeps_the_group_out_is_found_and_taken_away() {
         return;
     }
     let env = env_for_members();
-    let acl = Command::new("setfacl")
-        .args(["-d", "-m", "u::rwx,g::rx,o::rx,u:64003:rwx"])
-        .arg(env.tmp.path())
-        .status();
-    if !acl.is_ok_and(|s| s.success()) {
-        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here)");
+    if !default_acl(env.tmp.path(), "u::rwx,g::rx,o::rx,u:64003:rwx") {
         return;
     }
     owners_group_store(&env);
@@ -1620,12 +1600,7 @@ fn an_acl_entry_naming_a_member_is_found_and_taken_out() {
         return;
     }
     let env = env_for_members();
-    let acl = Command::new("setfacl")
-        .args(["-d", "-m", "u::rwx,g::rwx,o::rx,u:64002:rx"])
-        .arg(env.tmp.path())
-        .status();
-    if !acl.is_ok_and(|s| s.success()) {
-        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here)");
+    if !default_acl(env.tmp.path(), "u::rwx,g::rwx,o::rx,u:64002:rx") {
         return;
     }
     owners_group_store(&env);
@@ -2217,4 +2192,18 @@ fn a_loan_an_older_release_left_in_the_lend_file_is_kept_and_reported() {
     fs::write(&lend, "").unwrap();
     let out = env.run(["doctor"]);
     assert!(!stdout(&out).contains("loans"), "{}", show(&out));
+}
+
+/// Gives `dir` the default ACL `spec` (`setfacl -d -m`); false, said, where this machine has no
+/// ACLs (or no setfacl): the caller skips.
+fn default_acl(dir: &Path, spec: &str) -> bool {
+    let set = Command::new("setfacl")
+        .args(["-d", "-m", spec])
+        .arg(dir)
+        .status();
+    let ok = set.is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipping: setfacl -d failed or is missing (no ACLs here)");
+    }
+    ok
 }
