@@ -113,7 +113,7 @@ fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<S
 }
 
 /// `opened`, the images directory at `dir` opened to make, copy or remove trees in, refused unless
-/// it is this store's and the one recorded ([`refused_for_new`]: the default one too, where
+/// it is this store's and the one recorded ([`not_the_recorded_one`]: the default one too, where
 /// another directory may be mounted, or none), judged on that very descriptor (a path checked,
 /// then opened again, may lead elsewhere by then). A claim that cannot be read there refuses it:
 /// the descriptor is what the trees are then made or removed through.
@@ -133,7 +133,7 @@ pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
 /// [`confirmed`] by the store's configuration `config`, already read.
 pub fn confirmed_as(root: &Root, config: &Config, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
     let images = opened?;
-    if let Some(why) = refused_for_new(root, config, &images, dir) {
+    if let Some(why) = not_the_recorded_one(root, config, &images, dir) {
         anyhow::bail!("{why}");
     }
     if dir == root.default_images_dir() {
@@ -364,7 +364,7 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
     // claimed only if named (`init --images-dir`).
     if external
         && !named
-        && let Some(why) = refused_for_new(root, config, images, &dir)
+        && let Some(why) = not_the_recorded_one(root, config, images, &dir)
             .or_else(|| a_copys(config, &dir, &mine.root))
     {
         anyhow::bail!("{why}");
@@ -573,14 +573,20 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
 /// [`unmounted`] of `images`, the images directory opened as `dir`: the one a command's tree was
 /// found or made in, held since, whatever its path leads to now (the root moved meanwhile).
 pub fn unmounted_at(root: &Root, images: &Dir, dir: &Path) -> Option<String> {
-    refused_for_new(root, &config(root).ok()?, images, dir)
+    not_the_recorded_one(root, &config(root).ok()?, images, dir)
 }
 
-/// Why a new image's tree may not be made in `images`, opened as `dir`: an images directory that
-/// is not the one recorded (unmounted, another filesystem in its place, a container's view that
-/// does not see its mount) would hide the tree once the right one is mounted again. The default
-/// one of a store copied or moved to another filesystem is its own ([`moved`], asked only then).
-pub fn refused_for_new(root: &Root, config: &Config, images: &Dir, dir: &Path) -> Option<String> {
+/// Why no tree may be made, removed, copied or written in `images`, opened as `dir`: an images
+/// directory that is not the one recorded (unmounted, another filesystem in its place, a
+/// container's view that does not see its mount) holds none of the store's trees, and would hide a
+/// new one once the right one is mounted again. The default one of a store copied or moved to
+/// another filesystem is its own ([`moved`], asked only then).
+pub fn not_the_recorded_one(
+    root: &Root,
+    config: &Config,
+    images: &Dir,
+    dir: &Path,
+) -> Option<String> {
     let why = not_the_recorded(config, images, dir)?;
     (config.images != ImagesDir::Default || !moved(root, config)).then_some(why)
 }

@@ -80,7 +80,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // Another directory at the recorded path (another disk; the path seen from a container or from
     // another host) is made the store's, for every view, only if named: never by a plain init.
     if wanted.is_none()
-        && let Some(why) = crate::images_dir::refused_for_new(&root, &config, &images, &dir)
+        && let Some(why) = crate::images_dir::not_the_recorded_one(&root, &config, &images, &dir)
     {
         bail!("{why}");
     }
