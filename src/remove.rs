@@ -400,12 +400,14 @@ pub fn empty_image_dir(
     if nix::unistd::geteuid().as_raw() != 0 {
         let at = images_dir.join(name.encoded());
         let none = |e| anyhow::anyhow!("cannot empty {shown}: {e}; nothing was deleted");
-        crate::disk_usage::walk_dir(top, &at, &mut refuses_deletion).map_err(none)?;
+        let walked = top.duplicate().map_err(none)?;
+        crate::disk_usage::walk_dir(walked, &at, &mut refuses_deletion).map_err(none)?;
     }
+    crate::debug::pause("tree-checked");
     // A top its owner left without owner access (an image's `/` of mode 555) is lent it while
     // emptied, as for a removal's move; its mode is given back whatever happens.
     let lent = images.lend_owner(name.encoded(), 0o700);
-    let emptied = empty_top(images, images_dir, name, removed);
+    let emptied = empty_top(&top, images_dir, name, removed);
     if let Some(lent) = lent {
         lent.give_back();
     }
@@ -454,14 +456,13 @@ fn refuses_deletion(parent: &Dir, name: &std::ffi::CStr, st: &libc::stat) -> std
     }
 }
 
-/// [`empty_image_dir`], its top's mode as it is.
-fn empty_top(images: &Dir, images_dir: &Path, name: &ImageName, removed: &mut u64) -> Result<()> {
+/// [`empty_image_dir`] of the top `dir` it checked (never opened again by name: a mount made on the
+/// path since is not emptied), its mode as it is.
+fn empty_top(dir: &Dir, images_dir: &Path, name: &ImageName, removed: &mut u64) -> Result<()> {
     let path = images_dir.join(name.encoded());
-    let dir =
-        (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
     // Asked of the top too: a root's parts (store.conf, locks) are no store on their own.
     let shown = path.display();
-    if let Some(what) = in_use_by_a_store(&dir) {
+    if let Some(what) = in_use_by_a_store(dir) {
         anyhow::bail!("cannot empty {shown}: it is {what}; move it out first");
     }
     let names = dir.names();

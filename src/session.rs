@@ -452,6 +452,15 @@ impl Session {
         let d = (images.sub(target.encoded()))
             .with_context(|| format!("cannot open {}", dst.display()))
             .with_context(cannot)?;
+        // Asked of the directory opened, written through this descriptor only: a mount made at the
+        // path since it was emptied gets nothing.
+        if d.is_mount_root().with_context(cannot)? {
+            anyhow::bail!(
+                "{}: {} is a mount point; unmount it first",
+                cannot(),
+                dst.display()
+            );
+        }
         let done = crate::clone::copy_tree_at((s, &src), (d, &dst), &mut loans, &mut bar, changed);
         drop(loans);
         let done = done.with_context(cannot)?;

@@ -555,6 +555,45 @@ fn rebuilding_from_a_base_never_empties_a_mount_at_the_image_directory_itself() 
     assert_eq!(kept, "app's own");
 }
 
+/// A mount made at the image's directory after the rebuild looked at it (the moment between the
+/// look and the emptying, or between the emptying and the copy) is neither emptied nor written:
+/// both opened the directory again by its name.
+#[test]
+fn a_mount_made_at_the_image_directory_during_a_rebuild_is_neither_emptied_nor_written() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    for point in ["tree-checked", "clone-emptied"] {
+        let env = Env::new();
+        env.make_image("base");
+        env.build("app", "touch \"$STOWAGE_IMAGE_DIR/old\"");
+        let v = victim(&env);
+        let args = ["exec", "--write", "app", "--from", "base", "--", "true"];
+        let (bg, go) = env.paused(args, point);
+        let m = Mount::at(&["--bind", v.to_str().unwrap()], &env.root.join("img/app"));
+        fs::remove_file(&go).unwrap();
+        let out = bg.finish();
+        drop(m);
+        assert_eq!(code(&out), Some(1), "{point}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("mount point"),
+            "{point}: {}",
+            show(&out)
+        );
+        assert_intact(&v);
+        let mut names: Vec<_> = fs::read_dir(&v)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["keep", "sub"],
+            "{point}: the mounted directory was written"
+        );
+    }
+}
+
 #[test]
 fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
     if !root_or_skip("mounts") {
