@@ -99,6 +99,11 @@ pub enum Error {
         holds: Option<String>,
     },
 
+    /// No record while the image's tree is there, its lock file empty (exit 66): an opener erased
+    /// the record, the image's only state (`images_dir::record_erased`).
+    #[error("image '{name}' has no record, yet its tree is there: a shell's '>' likely erased it (its lock file {} is empty); see '{} doctor'", lock.display(), crate::ident::STOWAGE)]
+    RecordErased { name: String, lock: PathBuf },
+
     /// A file of the store is in a format a later release writes (exit 1): read as damage, a repair
     /// would set it aside or write it back in this release's format, downgrading the store.
     #[error("store {} was made by a newer stowage ({what}); upgrade stowage", root.display())]
@@ -186,6 +191,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
             | Error::NoSuchProcess(_)
             | Error::NotReady { .. }
             | Error::DamagedRecord { .. }
+            | Error::RecordErased { .. }
             | Error::NoRoot { .. }
             | Error::NotAStore { .. },
         ) => code::NO_INPUT,

@@ -309,6 +309,25 @@ pub fn tree_there(root: &Root, dir: &Path, encoded: &str) -> Option<bool> {
     (there || unmounted_at(root, &images, dir).is_none()).then_some(there)
 }
 
+/// Whether image `name`'s record was erased by an opener (a shell's `>`, as in `9>FILE`): its lock
+/// file holds no byte while its tree is there. stowage never leaves that: it marks a file before
+/// unlinking it and writes a record before making a tree (an older release's store, with no
+/// `store.conf`, is no case). Asked only where a command found no record, before it says so.
+pub fn record_erased(root: &Root, name: &ImageName) -> bool {
+    let lock = crate::lock::open_existing_read(&root.image_lock(name));
+    if !matches!(lock, Ok(Some(f)) if f.metadata().is_ok_and(|m| m.len() == 0)) {
+        return false;
+    }
+    let config = root
+        .opened()
+        .ok()
+        .map(|d| crate::config::read(root.dir(), d));
+    let Some(Ok(Some(config))) = config else {
+        return false;
+    };
+    tree_there(root, &config.images.path_in(root.dir()), name.encoded()) == Some(true)
+}
+
 /// The tree a record describes, for reading and measuring only.
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     let dir = r.images.path_in(root.dir());

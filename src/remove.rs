@@ -64,9 +64,12 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         .map(|c| image_record::Record::unknown(held.name.as_str(), c.images, clock::now_ms()));
     // A damaged record is an image of unknown state: removed on request.
     let Some(before) = held.seen.record.clone().or(unknown) else {
-        // The file (perhaps made by the very lock taken) names nothing.
-        let _ = root.unlink_lock(held.guard);
-        root.unlink_gate(&held.name);
+        // The file (perhaps made by the very lock taken) names nothing. One a shell's `>` emptied
+        // stays: it is the evidence `doctor` names the cause by.
+        if !crate::images_dir::record_erased(root, &held.name) {
+            let _ = root.unlink_lock(held.guard);
+            root.unlink_gate(&held.name);
+        }
         return Err(crate::Error::NoSuchImage(vec![held.name.as_str().to_owned()]).into());
     };
     let state = before.state_seen(false);
@@ -559,7 +562,8 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
 pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[ImageName]) {
     let mut shared = Vec::new();
     for h in held {
-        if !h.seen.unrecorded() {
+        // One a shell's `>` emptied stays, as evidence (see `remove_held`).
+        if !h.seen.unrecorded() || crate::images_dir::record_erased(root, &h.name) {
             continue;
         }
         if h.guard.mode() == Mode::Exclusive {

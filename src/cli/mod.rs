@@ -205,7 +205,7 @@ fn run(cli: Cli) -> Result<u8> {
     ctx.verbose = cli.verbose;
     // What we create in a group's store must be usable by the group; the command gets the umask.
     ctx.child_umask = sharing.then(crate::sharing::open_umask);
-    match cli.command {
+    let done = match cli.command {
         Command::Init(args) => init::run(args, &mut store),
         Command::Exec(args) => exec::run(args, &mut store),
         Command::Images(args) => images::run(args, &mut store),
@@ -215,6 +215,29 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Gc(args) => gc::run(args, &mut store),
         Command::Doctor(args) => doctor::run(args, &mut store),
         Command::Completions { .. } | Command::Man { .. } => unreachable!("handled above"),
+    };
+    done.map_err(|e| erased_record(store.root(), e))
+}
+
+/// An image said not to exist whose record an opener erased (its tree is there) is said so: the
+/// one cause a user can act on, asked only once the command failed.
+fn erased_record(root: &Root, e: anyhow::Error) -> anyhow::Error {
+    let Some(Error::NoSuchImage(names)) = error::typed(&e) else {
+        return e;
+    };
+    let names = names
+        .iter()
+        .filter_map(|n| crate::name::ImageName::parse(n).ok());
+    match names
+        .into_iter()
+        .find(|n| crate::images_dir::record_erased(root, n))
+    {
+        Some(n) => Error::RecordErased {
+            lock: root.image_lock(&n),
+            name: n.as_str().to_owned(),
+        }
+        .into(),
+        None => e,
     }
 }
 

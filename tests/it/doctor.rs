@@ -1397,6 +1397,40 @@ fn a_damaged_slot_class_record_is_reported() {
     env.ok(["doctor"]);
 }
 
+/// A record an opener erased (as `9>FILE` does) is named as such by every
+/// command that meets it, and its lock file is left for `doctor` to name the
+/// cause by: a read, a copy from it, a removal all said "does not exist" and
+/// unlinked the empty file, so `doctor` then saw a tree without a record only.
+#[test]
+fn a_record_emptied_by_a_shell_redirection_is_said_by_every_command_and_kept() {
+    let env = Env::new();
+    env.build("app", "echo hi > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.make_image("other");
+    let lock = env.lock_file("app");
+    fs::File::create(&lock).unwrap();
+    let meets: [&[&str]; 4] = [
+        &["exec", "--read", "app", "--", "true"],
+        &["exec", "--read", "other", "--read", "app", "--", "true"],
+        &["exec", "--write", "copy", "--from", "app", "--", "true"],
+        &["rm", "app"],
+    ];
+    for args in meets {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(66), "{args:?}: {}", show(&out));
+        let said = stderr(&out);
+        assert!(
+            said.contains("image 'app' has no record, yet its tree is there"),
+            "{said}"
+        );
+        assert!(said.contains("a shell's '>' likely erased it"), "{said}");
+        let left = fs::metadata(&lock).map(|m| m.len());
+        assert_eq!(left.ok(), Some(0), "{args:?}: the emptied lock file went");
+    }
+    let said = stdout(&env.run(["doctor"]));
+    assert!(said.contains("is empty while its tree is there"), "{said}");
+    assert_eq!(env.state("other").as_deref(), Some("ready"));
+}
+
 /// flock(1)'s man page idiom `( flock -s 9 …) 9>FILE` on an image's lock
 /// file erases its record. The catalog's row is no copy to restore it from
 /// (a failed write since may be missing from it), so `doctor` says what
