@@ -355,10 +355,12 @@ pub fn not_ours(root: &Root, dir: &Path) -> Option<String> {
 }
 
 /// Whether `dir` is this root's `ROOT/img` and its claim carries this store's id: one that came
-/// along with a copy of the store (`cp -a`), taken over.
+/// along with a copy of the store (`cp -a`), taken over; never the original's, mounted there while
+/// the original claims it ([`the_originals`]).
 fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
     dir == root.default_images_dir()
         && crate::claim::read(images).is_some_and(|c| c.id == config.id)
+        && the_originals(root, config, images, dir).is_none()
 }
 
 /// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs. An
@@ -472,9 +474,10 @@ pub fn record_identity(
 }
 
 /// Whether the store was copied or moved since its default images directory's identity was recorded
-/// (so its `img` is its own), or that was never recorded. Either way the identities are recorded
-/// afresh, under the global lock (a switch of the images directory meanwhile is never undone).
-fn moved(root: &Root, seen: &Config) -> bool {
+/// (so its `img`, opened as `images`, is its own), or that was never recorded. Either way the
+/// identities are recorded afresh, under the global lock (a switch of the images directory
+/// meanwhile is never undone).
+fn moved(root: &Root, seen: &Config, images: &Dir) -> bool {
     let Ok(here) = root.open().and_then(|d| Ok(d.identity()?)) else {
         return false;
     };
@@ -496,8 +499,10 @@ fn moved(root: &Root, seen: &Config) -> bool {
         let Some(mut now) = crate::config::read(root.dir(), &dir)? else {
             return Ok(());
         };
+        crate::debug::pause("img-recording");
+        // The directory judged, not one opened again: a mount made at `img` since is not recorded.
         if now.images == ImagesDir::Default && now.identity == seen.identity {
-            (now.identity, now.root) = (Some(root.open_sub("img")?.identity()?), Some(here));
+            (now.identity, now.root) = (Some(images.identity()?), Some(here));
             crate::config::write(root.dir(), &dir, &now)?;
         }
         Ok(())
@@ -607,7 +612,7 @@ pub fn not_the_recorded_one(
     dir: &Path,
 ) -> Option<String> {
     let why = not_the_recorded(config, images, dir)?;
-    (config.images != ImagesDir::Default || !moved(root, config)).then_some(why)
+    (config.images != ImagesDir::Default || !moved(root, config, images)).then_some(why)
 }
 
 /// Why the default images directory `images` is not this root's, though the one recorded: the root is

@@ -1054,7 +1054,10 @@ fn a_missing_images_directory_is_not_made_anew() {
 /// refused, naming the original; so is a write of an image another
 /// directory mounted on `img` already holds. Before, the copy took the
 /// original's directory for its own (a copied root passed as moved), and a
-/// write of an existing image never asked whose directory it was in.
+/// write of an existing image never asked whose directory it was in. A plain
+/// `init` in the copy is refused too: it took the original's claim over
+/// (as one that came along with the copy), after which all of the above
+/// went ahead.
 #[test]
 fn a_copy_of_a_store_touches_nothing_of_the_originals_images_mounted_on_it() {
     if !root_or_skip("a bind mount") {
@@ -1078,6 +1081,7 @@ fn a_copy_of_a_store_touches_nothing_of_the_originals_images_mounted_on_it() {
         output(c)
     };
     let runs = [
+        run(&["init"]),
         run(&["rm", "x"]),
         run(&["gc", "--max-size", "0"]),
         run(&["exec", "--write", "x", "--from", "ok", "--", "true"]),
@@ -1108,4 +1112,46 @@ fn a_copy_of_a_store_touches_nothing_of_the_originals_images_mounted_on_it() {
     // The copy's own images directory, back in place, is its own.
     let out = run(&["exec", "--write", "x", "--", "true"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// A copy's first command records its own `img` as its images directory: the
+/// directory it judged, not one opened again by name. The original's `img`
+/// mounted on the copy's in between was recorded instead, and from then on
+/// the copy removed the original's trees through it.
+#[test]
+fn a_copy_records_the_images_directory_it_judged_as_its_own() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("x");
+    fs::write(env.root.join("img/x/f"), "data").unwrap();
+    let copy = env.tmp.path().join("copy");
+    cp_a(&env.root, &copy);
+    let img = copy.join("img");
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&copy).args(["images"]);
+    let go = env.scratch.join("paused.img-recording");
+    c.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("img-recording:{}", go.display()),
+    );
+    let bg = Bg::from_command(c);
+    wait_for_file(&go);
+    let original = env.root.join("img");
+    let mount = Mount::at(&["--bind", original.to_str().unwrap()], &img);
+    fs::remove_file(&go).unwrap();
+    let out = bg.finish();
+    drop(mount);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let Some(_m) = Mount::at(&["--bind", original.to_str().unwrap()], &img) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&copy).args(["rm", "x"]);
+    let out = output(c);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(fs::read_to_string(original.join("x/f")).unwrap(), "data");
+    assert_eq!(env.state("x").as_deref(), Some("ready"));
 }
