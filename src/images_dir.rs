@@ -363,6 +363,12 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
         && the_originals(root, config, images, dir).is_none()
 }
 
+/// Whether `images` carries this store's claim: it was judged when the store took it (`init`).
+pub fn claimed_by_us(root: &Root, config: &Config, images: &Dir) -> bool {
+    let mine = my_claim(root, config).ok();
+    crate::claim::read(images).is_some_and(|c| mine.is_some_and(|m| c.same_store(&m)))
+}
+
 /// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs. An
 /// external one no claim marks is claimed only if `named` (`init --images-dir` names it), or if
 /// nobody but the root's owner may have written the configuration that names it.

@@ -17,7 +17,7 @@
 //! 1. **Ground**: [`env`](mod@env) every `STOWAGE_*` variable; [`name`] image names; [`clock`];
 //!    [`ident`] who this process is; [`error`] typed errors and exit codes; [`filesystem`] where a
 //!    lock reaches; [`space`] the reserve file; [`spawn`]; [`planted`] what is found where
-//!    stowage keeps a file of its own.
+//!    stowage keeps a file of its own; [`system_dirs`] no place for a store.
 //! 2. **Locks and processes**: [`lock`] the only caller of flock(2); [`signals`]; [`debug`] test
 //!    pause points; [`image_record`] an image's record; [`slot_limits`] a class's record; [`lease`]
 //!    holder leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`]
@@ -102,6 +102,7 @@ pub mod spawn;
 pub mod store;
 pub mod store_wide;
 pub mod survey;
+pub mod system_dirs;
 pub mod wait_chain;
 pub mod wait_line;
 

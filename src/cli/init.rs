@@ -14,6 +14,7 @@ use crate::image_record::ImagesDir;
 use crate::root::{Root, make_dir};
 use crate::sharing;
 use crate::store::Store;
+use crate::system_dirs;
 
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
@@ -45,11 +46,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // Refused before anything is created. Judged by its path always (a group's members may write
     // the configuration), by what it holds only when a store takes it (an idempotent `init` goes on).
     let root = store.root();
-    let current = root
-        .exists()
-        .then(|| crate::images_dir::config(root).ok())
-        .flatten()
-        .map(|c| c.images.path_in(root.dir()));
+    let config = root.exists().then(|| crate::images_dir::config(root).ok());
+    let config = config.flatten();
+    let current = config.as_ref().map(|c| c.images.path_in(root.dir()));
     let taken = wanted.as_ref().filter(|d| current.as_ref() != Some(*d));
     if let Some(dir) = &wanted {
         refuse_images_dir(root, dir)?;
@@ -57,7 +56,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_another_stores(root, dir)?;
         refuse_nesting(root, dir, taken.is_some())?;
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
-        refuse_what_is_no_images_dir(&dir, false)?;
+        // What it holds is judged until the store takes it (its claim): store.conf may name it
+        // by a hand's edit or a copy, and the trees there are adopted next.
+        let opened = root.open_images_dir(&dir).ok();
+        let claimed = (config.as_ref().zip(opened.as_ref()))
+            .is_some_and(|(c, d)| crate::images_dir::claimed_by_us(root, c, d));
+        refuse_what_is_no_images_dir(&dir, !claimed)?;
     }
     store.root().refuse_planted_layout()?;
     refuse_what_is_no_root(store.root())?;
@@ -272,13 +276,9 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     refuse_overlap(root.dir(), dir)
 }
 
-/// Refuses a directory that is no images directory ([`no_images_dir`]), judged as written without
-/// `.` and `..`, and as the kernel resolves it (`/lib` is `/usr/lib` on many systems).
+/// Refuses a directory that is no images directory (`system_dirs::not_for_images`).
 fn refuse_what_is_no_images_dir(dir: &Path, contents: bool) -> Result<()> {
-    let Some(what) = [lexical(dir), resolved(dir)]
-        .iter()
-        .find_map(|d| no_images_dir(d, contents))
-    else {
+    let Some(what) = system_dirs::not_for_images(dir, contents) else {
         return Ok(());
     };
     let shown = dir.display();
@@ -287,52 +287,15 @@ fn refuse_what_is_no_images_dir(dir: &Path, contents: bool) -> Result<()> {
     )
 }
 
-/// Why `dir` (absolute, without `.` or `..`) is no images directory, if so: by its path, and with
-/// `contents` by what it holds (an images directory holds image trees only).
-fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
-    let what = if dir == Path::new("/") {
-        "the root of the filesystem".to_owned()
-    } else if dir.parent() == Some(Path::new("/")) && !dir.exists() {
-        "a new directory at the top of the filesystem (is a variable in its path unset?)".to_owned()
-    } else if is_home(dir) {
-        "a home directory".to_owned()
-    } else if of_the_system(dir) {
-        "a directory of the operating system".to_owned()
-    } else if dir.parent() == Some(Path::new("/")) {
-        // /scratch holds its users' directories, /nix its store, /efi a boot loader's.
-        "a directory at the top of the filesystem, where the system's and its users' directories are".to_owned()
-    } else if !contents {
-        return None;
-    } else if let Some(held) = like_the_system(dir) {
-        format!("a system tree (it holds {held}), not a directory of image trees")
-    } else if charliecloud_storage(dir) {
-        let img = dir.join("img");
-        let img = img.display();
-        format!("a Charliecloud storage directory: its images are in {img}")
-    } else if let Some(f) = files_in(dir) {
-        format!("a directory that holds files ({f}), not image trees only")
-    } else {
-        return None;
-    };
-    Some(what)
-}
-
-/// Whether `dir` is ch-image's storage directory, which ch-image refuses to use with other files in
-/// it (stowage's, say).
-fn charliecloud_storage(dir: &Path) -> bool {
-    ["bucache", "dlcache", "ulcache"]
-        .iter()
-        .any(|d| dir.join(d).is_dir())
-        && dir.join("img").is_dir()
-}
-
 /// A root that is no store, said with why `init` would refuse to make one there (if it would): the
 /// hint to run it would only lead to that refusal.
 pub fn with_refusal(e: anyhow::Error) -> anyhow::Error {
     let refusal = |dir: &Path| {
         let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
         crate::root::inside_another_store(&real, true, &real)
-            .or_else(|| no_root_reason(dir).map(|(what, tail)| format!("it is {what}; {tail}")))
+            .or_else(|| {
+                system_dirs::no_root_reason(dir).map(|(what, tail)| format!("it is {what}; {tail}"))
+            })
             .or_else(|| {
                 Root::at(dir)
                     .refuse_claimed_img()
@@ -374,139 +337,13 @@ fn refuse_what_is_no_root(root: &Root) -> Result<()> {
     if root.holds_store() {
         return Ok(());
     }
-    match no_root_reason(root.dir()) {
+    match system_dirs::no_root_reason(root.dir()) {
         Some((what, tail)) => bail!(
             "refusing {} as the root: it is {what}; {tail}",
             root.dir().display()
         ),
         None => Ok(()),
     }
-}
-
-/// Why `dir` is no place for stowage's files, and what to give instead: the filesystem's root, a
-/// home, the system's, or a builder's storage (ch-image would stop).
-fn no_root_reason(dir: &Path) -> Option<(String, String)> {
-    let own = "give a directory of the store's own (a new or empty one)".to_owned();
-    [lexical(dir), resolved(dir)].iter().find_map(|d| {
-        Some(if d == Path::new("/") {
-            ("the root of the filesystem".to_owned(), own.clone())
-        } else if is_home(d) {
-            ("a home directory".to_owned(), own.clone())
-        } else if of_the_system(d) {
-            ("a directory of the operating system".to_owned(), own.clone())
-        } else if let Some(held) = like_the_system(d) {
-            (format!("a system tree (it holds {held})"), own.clone())
-        } else if d.parent() == Some(Path::new("/")) && d.exists() {
-            let what = "a directory at the top of the filesystem, where the system's and its users' directories are";
-            (what.to_owned(), "give a directory of the store's own below it".to_owned())
-        } else if std::fs::read_dir(d.join("trash")).is_ok_and(|mut t| t.next().is_some()) {
-            let what = "a directory whose 'trash' holds what stowage did not put there (gc would delete it)";
-            (what.to_owned(), own.clone())
-        } else if charliecloud_storage(d) {
-            let img = d.join("img");
-            let img = img.display();
-            let what = "a Charliecloud storage directory, which ch-image uses only with nothing else in it";
-            let tail = format!("give the store a root of its own and --images-dir {img}");
-            (what.to_owned(), tail)
-        } else {
-            return None;
-        })
-    })
-}
-
-/// `dir` with `.` and `..` taken out as written (`/tmp/../usr/x` is `/usr/x`).
-fn lexical(dir: &Path) -> PathBuf {
-    use std::path::Component;
-    let mut out = PathBuf::from("/");
-    for c in dir.components() {
-        match c {
-            Component::ParentDir => {
-                out.pop();
-            }
-            Component::Normal(n) => out.push(n),
-            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
-        }
-    }
-    out
-}
-
-/// `dir` as the kernel resolves it: its deepest existing ancestor resolved (links followed), the
-/// rest as written; as written if none resolves.
-fn resolved(dir: &Path) -> PathBuf {
-    let mut rest = Vec::new();
-    let mut at = dir.to_owned();
-    loop {
-        if let Ok(real) = std::fs::canonicalize(&at) {
-            return lexical(&rest.iter().rev().fold(real, |p: PathBuf, n| p.join(n)));
-        }
-        match (at.file_name().map(ToOwned::to_owned), at.pop()) {
-            (Some(name), true) => rest.push(name),
-            _ => return lexical(dir),
-        }
-    }
-}
-
-/// The operating system's trees (the Filesystem Hierarchy Standard's, and the package stores of
-/// Nix and Guix): nothing in them is an image. `/dev/shm` is a tmpfs for anyone's files.
-const SYSTEM_TREES: &[&str] = &[
-    "/bin", "/boot", "/dev", "/efi", "/etc", "/gnu", "/lib", "/lib32", "/lib64", "/libx32", "/nix",
-    "/proc", "/sbin", "/sys", "/usr",
-];
-
-/// Directories of the operating system that hold others' directories: a directory below one may be
-/// an images directory (`/var/tmp/me/img`, `/srv/images`), never the directory itself.
-const SYSTEM_DIRS: &[&str] = &[
-    "/dev/shm",
-    "/run/user",
-    "/var/cache",
-    "/var/lib",
-    "/var/local",
-    "/var/log",
-    "/var/opt",
-    "/var/spool",
-    "/var/tmp",
-];
-
-/// Names a system tree holds at its top (`/usr`, `/usr/local`, `/opt/tool`, a chroot's `/`).
-const SYSTEM_NAMES: &[&str] = &[
-    "bin", "sbin", "lib", "lib64", "libexec", "include", "share", "etc", "usr", "var",
-];
-
-/// Whether `dir` is the system's: its trees would be taken for images, one `gc` from deletion.
-fn of_the_system(dir: &Path) -> bool {
-    let shm = dir.starts_with("/dev/shm") && dir != Path::new("/dev/shm");
-    (!shm && SYSTEM_TREES.iter().any(|t| dir.starts_with(t)))
-        || SYSTEM_DIRS.iter().any(|t| dir == Path::new(t))
-}
-
-/// The names of a system tree `dir` holds at its top ("bin, lib, share"), if two or more.
-fn like_the_system(dir: &Path) -> Option<String> {
-    let held: Vec<&str> = SYSTEM_NAMES
-        .iter()
-        .copied()
-        .filter(|n| dir.join(n).symlink_metadata().is_ok_and(|m| m.is_dir()))
-        .collect();
-    (held.len() >= 2).then(|| held.join(", "))
-}
-
-/// Whether `dir` is this user's home or any `/etc/passwd` user's (read directly: no name service),
-/// each as written and as resolved (`/home` is a link on many clusters).
-fn is_home(dir: &Path) -> bool {
-    let is = |h: &Path| h.as_os_str().len() > 1 && (h == dir || resolved(h) == dir);
-    std::env::var_os("HOME").is_some_and(|h| is(Path::new(&h)))
-        || std::fs::read_to_string("/etc/passwd").is_ok_and(|t| {
-            t.lines()
-                .filter_map(|l| l.split(':').nth(5))
-                .any(|h| is(Path::new(h)))
-        })
-}
-
-fn files_in(dir: &Path) -> Option<String> {
-    std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let t = e.file_type().ok()?;
-        (!name.starts_with('.') && !t.is_dir()).then_some(name)
-    })
 }
 
 /// Refuses, before anything is made, an images directory another store claims (`claim.rs`).
@@ -565,7 +402,9 @@ fn refuse_nesting(root: &Root, dir: &Path, contents: bool) -> Result<()> {
     let shown = dir.display();
     // The directory itself too, as a part of another store's layout (that store's gc empties its
     // `trash`); a claim on it is `refuse_another_stores`' to judge.
-    if let Some(why) = crate::root::inside_another_store(&resolved(dir), false, root.dir()) {
+    if let Some(why) =
+        crate::root::inside_another_store(&system_dirs::resolved(dir), false, root.dir())
+    {
         bail!("refusing {shown} as the images directory: {why}");
     }
     let listed = || crate::dir::Dir::open_nofollow(dir).and_then(|d| Ok((d.names()?, d)));

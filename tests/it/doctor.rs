@@ -1397,6 +1397,71 @@ fn a_damaged_slot_class_record_is_reported() {
     env.ok(["doctor"]);
 }
 
+/// A `store.conf` naming (by a hand's edit, or a copy) an external images
+/// directory the store never took, and that `init` refuses — a system tree,
+/// a home — has nothing there claimed or adopted by a repair or a plain
+/// `init`: both claimed it and adopted its directories as images, which
+/// the next gc deleted.
+#[test]
+fn a_directory_init_refuses_is_never_taken_as_images_directory_by_a_repair() {
+    use std::os::unix::fs::MetadataExt;
+    for home in [false, true] {
+        let env = Env::new();
+        env.make_image("base");
+        let v = env.tmp.path().join(if home { "someone" } else { "prefix" });
+        let dirs: &[&str] = if home {
+            &["projects", "thesis"]
+        } else {
+            &["bin", "lib", "share"]
+        };
+        for d in dirs {
+            fs::create_dir_all(v.join(d)).unwrap();
+            fs::write(v.join(d).join("kept"), "precious").unwrap();
+        }
+        let conf = env.root.join("store.conf");
+        let ino = fs::metadata(&v).unwrap().ino();
+        let edited: String = (fs::read_to_string(&conf).unwrap().lines())
+            .map(|l| match l.split_once('=') {
+                Some(("images", _)) => format!("images={}\n", v.display()),
+                Some(("identity", id)) => {
+                    format!("identity={ino}@{}\n", id.split_once('@').unwrap().1)
+                }
+                _ => format!("{l}\n"),
+            })
+            .collect();
+        fs::write(&conf, edited + "adopting=ready\n").unwrap();
+        let run = |args: &[&str]| {
+            let mut c = env.cmd(args);
+            if home {
+                c.env("HOME", &v);
+            }
+            output(c)
+        };
+        for args in [
+            &["doctor", "--repair"][..],
+            &["init"],
+            &["doctor", "--repair"],
+        ] {
+            let out = run(args);
+            assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+            let said = format!("{}{}", stdout(&out), stderr(&out));
+            let what = if home {
+                "a home directory"
+            } else {
+                "a system tree"
+            };
+            assert!(said.contains(what), "{args:?}: {said}");
+        }
+        run(&["gc", "--max-size", "0"]);
+        for d in dirs {
+            assert_eq!(
+                fs::read_to_string(v.join(d).join("kept")).unwrap(),
+                "precious"
+            );
+        }
+    }
+}
+
 /// A record an opener erased (as `9>FILE` does) is named as such by every
 /// command that meets it, and its lock file is left for `doctor` to name the
 /// cause by: a read, a copy from it, a removal all said "does not exist" and
