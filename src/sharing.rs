@@ -181,9 +181,14 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
         .into_iter()
         .filter(|(rel, _)| !being_written(root, rel))
         .filter_map(|(rel, dir)| {
-            // Missing, or not of its kind (a link): no part.
+            // Missing, or not of its kind (a link; a FIFO, socket or device, or a file with other
+            // names, where a file is kept): no part. Planted, it is `doctor`'s files check's.
             let part = open_part(root, &rel, libc::O_PATH)?;
-            let m = part.metadata().ok().filter(|m| m.is_dir() == dir)?;
+            let kind = |m: &std::fs::Metadata| match dir {
+                true => m.is_dir(),
+                false => m.file_type().is_file() && m.nlink() == 1,
+            };
+            let m = part.metadata().ok().filter(kind)?;
             let path = fd_path(part.as_fd());
             let bits = if dir { DIR_BITS } else { FILE_BITS };
             let default_acl = dir && has_default_acl(&path);

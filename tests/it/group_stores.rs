@@ -2207,3 +2207,41 @@ fn default_acl(dir: &Path, spec: &str) -> bool {
     }
     ok
 }
+
+/// In a group store a FIFO or a hard link planted where a file of the store
+/// is kept is set aside by the first `doctor --repair`, which then exits 0:
+/// the group-modes step before reported it as a part it could not fix
+/// ("changed kind", "has other names"), so a repair that had put everything
+/// right still said there was a problem.
+#[test]
+fn a_file_planted_in_a_group_store_is_repaired_in_one_go() {
+    for (kind, rel) in [
+        ("fifo", "store.conf"),
+        ("fifo", "locks/global.lock"),
+        ("link", "store.conf"),
+        ("link", "locks/global.lock"),
+    ] {
+        let Some(env) = group_store() else {
+            return;
+        };
+        env.make_image("base");
+        let at = env.root.join(rel);
+        fs::remove_file(&at).unwrap();
+        if kind == "fifo" {
+            nix::unistd::mkfifo(&at, nix::sys::stat::Mode::from_bits_truncate(0o660)).unwrap();
+        } else {
+            let outside = env.tmp.path().join("outside");
+            fs::write(&outside, "kept").unwrap();
+            fs::hard_link(&outside, &at).unwrap();
+        }
+        let out = env.run(["doctor", "--repair"]);
+        assert_eq!(code(&out), Some(0), "{kind} at {rel}: {}", show(&out));
+        assert!(
+            stdout(&out).contains("set aside"),
+            "{kind} at {rel}: {}",
+            show(&out)
+        );
+        env.ok(["doctor"]);
+        assert_eq!(env.state("base").as_deref(), Some("ready"));
+    }
+}
