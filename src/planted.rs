@@ -254,7 +254,14 @@ pub fn denied(path: &Path) -> Option<String> {
     let (shown, mode) = (path.display(), m.mode() & 0o7777);
     // Refused although the mode allows it (or refused to root): a flag, not the mode.
     let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
-    if matches!(nix::unistd::access(path, rw), Ok(()) | Err(Errno::EPERM)) {
+    let asked = nix::unistd::access(path, rw);
+    // Mounted read-only over the file itself (its directory is writable): no mode gives it back.
+    if asked == Err(Errno::EROFS) {
+        return Some(format!(
+            "{shown} is on a read-only mount: stowage writes it (remount it read-write, or use a --root on a writable filesystem)"
+        ));
+    }
+    if matches!(asked, Ok(()) | Err(Errno::EPERM)) {
         return Some(format!(
             "{shown} may not be written though its mode {mode:03o} allows it: it is immutable or append-only ('chattr -i -a' clears it), or a policy refuses it"
         ));

@@ -230,8 +230,9 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
     match nix::unistd::faccessat(dir, name, rw, nix::fcntl::AtFlags::AT_EACCESS) {
         // Gone since it was listed (an image removed meanwhile): nothing to judge.
         Ok(()) | Err(nix::errno::Errno::ENOENT) => return,
-        // No mode gives it back: a flag (or a security policy) refuses the write.
-        Err(nix::errno::Errno::EPERM) => {
+        // No mode gives it back: a flag (or a security policy) refuses the write, or a read-only
+        // mount over it.
+        Err(nix::errno::Errno::EPERM | nix::errno::Errno::EROFS) => {
             let why = crate::planted::denied(path);
             let why = why.unwrap_or_else(|| format!("{shown} may not be written"));
             report.add(check, Problem, why);

@@ -1531,3 +1531,44 @@ fn a_record_emptied_by_a_shell_redirection_is_said_with_its_cure() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     assert_eq!(env.read_in_image("app", "f").trim(), "hi");
 }
+
+/// A store file with a read-only mount over it (the root writable) is said
+/// to be on a read-only mount: it was blamed on its mode, with a repair
+/// that then failed ("cannot give … back its mode: Read-only file system").
+#[test]
+fn a_store_file_on_a_read_only_mount_is_said_so() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["images"]);
+    // Not yet in the catalog: the next look writes it.
+    env.make_image("other");
+    let db = env.root.join("stowage.db");
+    let Some(_m) = Mount::at(&["--bind", db.to_str().unwrap()], &db) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let ro = Command::new("mount")
+        .args(["-o", "remount,bind,ro"])
+        .arg(&db)
+        .status();
+    assert!(ro.is_ok_and(|s| s.success()));
+    let out = env.run(["images"]);
+    assert!(
+        stderr(&out).contains("is on a read-only mount"),
+        "{}",
+        show(&out)
+    );
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{}", show(&out));
+        let said = stdout(&out);
+        assert!(
+            said.contains("stowage.db is on a read-only mount"),
+            "{said}"
+        );
+        assert!(!said.contains("back its mode"), "{said}");
+    }
+}
