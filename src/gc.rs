@@ -826,7 +826,9 @@ fn remove_named(
             Some((left, lock_file_gone))
         }
         Err(e) => {
-            report.failed.push(format!("{e:#}"));
+            report
+                .failed
+                .push(format!("image '{name}' not removed: {e:#}"));
             None
         }
     }

@@ -34,7 +34,19 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let policy = policy(&args)?;
     store.require_root()?;
     let report = gc::run(store, &policy)?;
-    for why in report.failed.iter().chain(&report.lock_files_left) {
+    let lines: Vec<&String> = report
+        .failed
+        .iter()
+        .chain(&report.lock_files_left)
+        .collect();
+    // A cause said as part of a fuller line (the trash refused, and with it each removal) is said
+    // once, in the fuller one.
+    let fuller = |w: &&String| {
+        lines
+            .iter()
+            .any(|l| l.len() > w.len() && l.ends_with(w.as_str()))
+    };
+    for why in lines.iter().filter(|w| !fuller(w)) {
         complain!("stowage: {why}");
     }
     // Everything else was done; a removal that failed is an error.

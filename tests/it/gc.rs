@@ -1694,3 +1694,27 @@ fn a_trash_leftover_is_deleted_and_counted_once() {
     assert!((1 << 20..2 << 20).contains(&freed), "freed {freed}");
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
+
+/// A filesystem mounted on the trash stops every removal, and gc says so in
+/// one line naming the image it did not remove: it said the trash's refusal
+/// twice (once for the trash, once for the removal) and never named the
+/// image.
+#[test]
+fn gc_says_a_trash_it_may_not_use_once_naming_the_image_left() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    let out = env.run(["exec", "--write", "inc", "--", "false"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let Some(_m) = Mount::tmpfs_at(&env.root.join("trash"), "1m") else {
+        return;
+    };
+    let out = env.run(["gc"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = stderr(&out);
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(said.contains("image 'inc' not removed"), "{said}");
+    assert!(said.contains("another filesystem mounted there"), "{said}");
+    assert_eq!(env.state("inc").as_deref(), Some("incomplete"));
+}
