@@ -106,6 +106,15 @@ pub fn orphans(
         let Ok(Some(e)) = images.stat_at(&raw) else {
             continue;
         };
+        // No tree, yet it keeps a new image of its name from being made: said, left to its owner.
+        if !e.is_dir() && matches!(name, Some(Ok(_))) {
+            let kind = crate::planted::kind_of_mode(e.mode).unwrap_or("a file");
+            let why = format!(
+                "it is {kind}, not a directory: a new image of that name is refused until it is removed"
+            );
+            out.skipped.push((shown(), why));
+            continue;
+        }
         if !e.is_dir() {
             continue;
         }

@@ -1572,3 +1572,34 @@ fn a_store_file_on_a_read_only_mount_is_said_so() {
         assert!(!said.contains("back its mode"), "{said}");
     }
 }
+
+/// A symlink, file or FIFO at an image's name in the images directory is no
+/// image, yet it makes `exec --write NAME` refuse: `doctor` names it (and
+/// leaves it to its owner) where it said the store was healthy and nothing
+/// of it.
+#[test]
+fn doctor_names_what_in_the_images_directory_keeps_a_new_image_from_being_made() {
+    let env = Env::new();
+    env.make_image("base");
+    let img = env.images_dir();
+    std::os::unix::fs::symlink("/nowhere", img.join("nw")).unwrap();
+    fs::write(img.join("cl"), "junk").unwrap();
+    nix::unistd::mkfifo(
+        &img.join("ff"),
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
+    let out = env.run(["doctor"]);
+    let said = stdout(&out);
+    for (name, kind) in [("nw", "a symlink"), ("cl", "a file"), ("ff", "a FIFO")] {
+        let line = said.lines().find(|l| l.contains(&format!("\"{name}\"")));
+        let line = line.unwrap_or_else(|| panic!("{name} not named: {said}"));
+        assert!(
+            line.contains(kind) && line.contains("refused until it is removed"),
+            "{line}"
+        );
+        let out = env.run(["exec", "--write", name, "--", "true"]);
+        assert_eq!(code(&out), Some(1), "{}", show(&out));
+    }
+    assert!(img.join("ff").exists() && img.join("cl").exists());
+}
