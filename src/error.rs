@@ -101,7 +101,7 @@ pub enum Error {
 
     /// No record while the image's tree is there, its lock file empty (exit 66): an opener erased
     /// the record, the image's only state (`images_dir::record_erased`).
-    #[error("image '{name}' has no record, yet its tree is there: a shell's '>' likely erased it (its lock file {} is empty); see '{} doctor'", lock.display(), crate::ident::STOWAGE)]
+    #[error("image '{name}' has no record, yet a directory is at its name: if it was an image, a '>' likely erased its record (in {}); see '{} doctor'", lock.display(), crate::ident::STOWAGE)]
     RecordErased { name: String, lock: PathBuf },
 
     /// A file of the store is in a format a later release writes (exit 1): read as damage, a repair

@@ -14,7 +14,7 @@ use crate::claim::Claim;
 use crate::config::Config;
 use crate::dir::Dir;
 use crate::ident::STOWAGE;
-use crate::image_record::{ImagesDir, Record};
+use crate::image_record::{self, ImagesDir, Record};
 use crate::name::ImageName;
 use crate::root::Root;
 
@@ -310,22 +310,32 @@ pub fn tree_there(root: &Root, dir: &Path, encoded: &str) -> Option<bool> {
 }
 
 /// Whether image `name`'s record was erased by an opener (a shell's `>`, as in `9>FILE`): its lock
-/// file holds no byte while its tree is there. stowage never leaves that: it marks a file before
-/// unlinking it and writes a record before making a tree (an older release's store, with no
-/// `store.conf`, is no case). Asked only where a command found no record, before it says so.
-pub fn record_erased(root: &Root, name: &ImageName) -> bool {
+/// file holds no record (hints aside) and no unlinker's mark, while a directory is at its name.
+/// stowage writes a record before it makes a tree, and marks a file before unlinking it; a write
+/// refused on a directory planted there (or killed before its record) looks the same, so it is
+/// said as likely, never acted on. `None`: the images directory cannot tell (unmounted), so a
+/// lock file is kept. Asked only where a command found no record, before it says so.
+pub fn record_erased(root: &Root, name: &ImageName) -> Option<bool> {
     let lock = crate::lock::open_existing_read(&root.image_lock(name));
-    if !matches!(lock, Ok(Some(f)) if f.metadata().is_ok_and(|m| m.len() == 0)) {
-        return false;
+    let Ok(Some(lock)) = lock else {
+        return Some(false);
+    };
+    if !image_record::read(&lock).is_ok_and(|s| s.unrecorded() && !s.gone) {
+        return Some(false);
     }
     let config = root
         .opened()
         .ok()
         .map(|d| crate::config::read(root.dir(), d));
     let Some(Ok(Some(config))) = config else {
-        return false;
+        return Some(false);
     };
-    tree_there(root, &config.images.path_in(root.dir()), name.encoded()) == Some(true)
+    let dir = config.images.path_in(root.dir());
+    let images = root.open_images_dir(&dir).ok()?;
+    if unmounted_at(root, &images, &dir).is_some() {
+        return None;
+    }
+    Some(matches!(images.stat_at(name.encoded()), Ok(Some(e)) if e.is_dir()))
 }
 
 /// The tree a record describes, for reading and measuring only.

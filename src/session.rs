@@ -976,8 +976,13 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
     };
     let never = crate::adopt::never_adopted(images, name.encoded()).is_some();
     let adopt = if never { "" } else { adopt };
+    // An image whose record a shell's `>` erased looks the same: removing it would lose it.
+    let erased = match adopt.is_empty() {
+        true => "",
+        false => "if it was an image, a '>' on its lock file likely erased its record; else ",
+    };
     anyhow::bail!(
-        "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",
+        "image '{name}' is new, but {} exists ({what}): refusing to build into it ({erased}remove it{adopt})",
         path.display()
     )
 }

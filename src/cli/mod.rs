@@ -230,7 +230,7 @@ fn erased_record(root: &Root, e: anyhow::Error) -> anyhow::Error {
         .filter_map(|n| crate::name::ImageName::parse(n).ok());
     match names
         .into_iter()
-        .find(|n| crate::images_dir::record_erased(root, n))
+        .find(|n| crate::images_dir::record_erased(root, n) == Some(true))
     {
         Some(n) => Error::RecordErased {
             lock: root.image_lock(&n),

@@ -973,24 +973,22 @@ fn orphan_trees(
 /// Says the images whose record a shell's `>` likely erased, what that lost, and the cure.
 fn say_emptied(report: &mut Report, emptied: &[ImageName]) {
     report.naming("images", Info, emptied, |names| {
-        format!("the lock file of {names} is empty while its tree is there: most likely a shell's '>' opened it (as in '9>FILE'; lock it with 'flock FILE CMD' or open it with '<>'), erasing the record, the image's only state; adopted, an image is incomplete and its base is lost: once its tree is known to be whole, '{STOWAGE} exec --write NAME -- true' marks it ready")
+        format!("the lock file of {names} holds no record while its tree is there: most likely a shell's '>' opened it (as in '9>FILE'; lock it with 'flock FILE CMD' or open it with '<>'), erasing the record, the image's only state; adopted, an image is incomplete and its base is lost: once its tree is known to be whole, '{STOWAGE} exec --write NAME -- true' marks it ready")
     });
 }
 
-/// Trees without a record whose lock file is there with no byte at all: emptied by an opener (a
-/// shell's `9>FILE`), never by stowage (an unlink marks it first), so a record was erased. The
-/// catalog's row is no copy to restore it from: a write that failed since may not be in it.
+/// Trees without a record whose lock file holds none either (hints aside, no unlinker's mark):
+/// likely emptied by an opener (`images_dir::record_erased`). The catalog's row is no copy to
+/// restore it from: a write that failed since may not be in it.
 fn emptied_records(root: &Root, orphans: &adopt::Orphans) -> Vec<ImageName> {
-    let Ok(locks) = root.open_sub(Root::IMAGE_LOCKS_REL) else {
-        return Vec::new();
-    };
-    let empty = |n: &ImageName| {
-        (locks.open_read(crate::root::lock_file_name(n.encoded())))
-            .and_then(|f| f.metadata())
-            .is_ok_and(|m| m.len() == 0)
-    };
-    let trees = orphans.trees.iter().map(|(n, _)| n);
-    trees.filter(|n| empty(n)).cloned().collect()
+    let erased = |n: &&ImageName| crate::images_dir::record_erased(root, n) == Some(true);
+    orphans
+        .trees
+        .iter()
+        .map(|(n, _)| n)
+        .filter(erased)
+        .cloned()
+        .collect()
 }
 
 /// Whether trees without a record are held back from adoption: records a repair set aside with a

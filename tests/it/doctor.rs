@@ -1484,16 +1484,57 @@ fn a_record_emptied_by_a_shell_redirection_is_said_by_every_command_and_kept() {
         assert_eq!(code(&out), Some(66), "{args:?}: {}", show(&out));
         let said = stderr(&out);
         assert!(
-            said.contains("image 'app' has no record, yet its tree is there"),
+            said.contains("image 'app' has no record, yet a directory is at its name"),
             "{said}"
         );
-        assert!(said.contains("a shell's '>' likely erased it"), "{said}");
+        assert!(said.contains("a '>' likely erased its record"), "{said}");
         let left = fs::metadata(&lock).map(|m| m.len());
         assert_eq!(left.ok(), Some(0), "{args:?}: the emptied lock file went");
     }
     let said = stdout(&env.run(["doctor"]));
-    assert!(said.contains("is empty while its tree is there"), "{said}");
+    assert!(
+        said.contains("holds no record while its tree is there"),
+        "{said}"
+    );
     assert_eq!(env.state("other").as_deref(), Some("ready"));
+}
+
+/// Only a lock file with no record (store-wide hints aside, no unlinker's
+/// mark) and a directory at the image's name is taken for an erased record:
+/// a write refused on a symlink planted at a new image's name left an empty
+/// lock file every command then blamed on a shell's `>`; a store-wide hold's
+/// hint in an erased lock file hid the cause; an images directory that was
+/// not mounted let a read unlink the evidence.
+#[test]
+fn only_a_directory_with_an_empty_record_is_said_to_be_an_erased_image() {
+    let env = Env::new();
+    env.ok(["init"]);
+    std::os::unix::fs::symlink("/nowhere", env.images_dir().join("sl")).unwrap();
+    let out = env.run(["exec", "--write", "sl", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let out = env.run(["exec", "--read", "sl", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'sl' does not exist"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        !env.lock_file("sl").exists(),
+        "the refused write's lock file stayed"
+    );
+    // A hint a store-wide hold set in an erased record's lock file is no record.
+    env.make_image("x");
+    fs::File::create(env.lock_file("x")).unwrap();
+    env.ok(["exec", "--store-wide", "--", "true"]);
+    let out = env.run(["exec", "--read", "x", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("likely erased its record"),
+        "{}",
+        show(&out)
+    );
+    assert!(stdout(&env.run(["doctor"])).contains("holds no record while its tree is there"));
 }
 
 /// flock(1)'s man page idiom `( flock -s 9 …) 9>FILE` on an image's lock
@@ -1521,7 +1562,10 @@ fn a_record_emptied_by_a_shell_redirection_is_said_with_its_cure() {
     let out = env.run(["doctor"]);
     assert_ne!(code(&out), Some(0), "{}", show(&out));
     let said = stdout(&out);
-    assert!(said.contains("is empty while its tree is there"), "{said}");
+    assert!(
+        said.contains("holds no record while its tree is there"),
+        "{said}"
+    );
     assert!(said.contains("exec --write NAME -- true"), "{said}");
     let out = env.run(["doctor", "--repair"]);
     let said = stdout(&out);

@@ -1110,11 +1110,15 @@ fn a_new_image_refused_for_what_is_in_its_place_is_told_what_repair_does() {
         let out = env.run(["exec", "--write", name, "--", "true"]);
         assert_eq!(code(&out), Some(1), "{name}: {}", show(&out));
         let err = stderr(&out);
-        assert!(
-            err.contains("refusing to build into it (remove it"),
-            "{err}"
-        );
+        assert!(err.contains("refusing to build into it ("), "{err}");
+        assert!(err.contains("remove it"), "{err}");
         assert_eq!(err.contains("adopts it"), adopted, "{name}: {err}");
+        // Only a directory may be an image whose record was erased.
+        assert_eq!(
+            err.contains("likely erased its record"),
+            adopted,
+            "{name}: {err}"
+        );
     }
     env.ok(["doctor", "--repair"]);
     assert!(env.image("full").is_some(), "the directory was adopted");
