@@ -1776,6 +1776,59 @@ fn a_rebuild_refused_by_a_members_directory_leaves_the_image_as_it_was() {
     assert!(env.image("app").unwrap()["base"].is_null());
 }
 
+/// Rebuilding an image from a base when a directory of the owner's own that it may not search
+/// (mode 000, or 600) holds another member's directory: refused before anything is deleted,
+/// naming that directory; the owner's directory gets its mode back and the image keeps its files
+/// and state. Once the other member's directory is gone, the rebuild empties the owner's hidden
+/// directory. Before, the check walk did not look inside it: the files beside it were deleted,
+/// and the image left `incomplete`.
+#[test]
+fn a_rebuild_looks_inside_its_owners_unsearchable_directories_before_deleting() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    for mode in ["000", "600"] {
+        builds_as(
+            &env,
+            1001,
+            "app",
+            "cd \"$STOWAGE_IMAGE_DIR\" && rm -rf ./* && echo 1 > a1 && mkdir p && chmod 777 p && echo z > zz",
+        );
+        builds_as(
+            &env,
+            65534,
+            "app",
+            "mkdir \"$STOWAGE_IMAGE_DIR/p/q\" && echo q > \"$STOWAGE_IMAGE_DIR/p/q/f\" && chmod 755 \"$STOWAGE_IMAGE_DIR/p/q\"",
+        );
+        builds_as(
+            &env,
+            1001,
+            "app",
+            &format!("chmod {mode} \"$STOWAGE_IMAGE_DIR/p\""),
+        );
+        let p = env.root.join("img/app/p");
+        let before = fs::metadata(&p).unwrap().mode() & 0o7777;
+        let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+        let (code, said) = said_by(&env, 1001, &rebuild);
+        assert_eq!(code, Some(1), "{mode}: {said}");
+        assert!(
+            said.contains("p/q")
+                && said.contains("uid 65534")
+                && said.contains("nothing was deleted"),
+            "{mode}: {said}"
+        );
+        assert_eq!(said.lines().count(), 1, "{said}");
+        assert_eq!(names_in(&env, "app"), ["a1", "p", "zz"], "{mode}");
+        assert_eq!(fs::metadata(&p).unwrap().mode() & 0o7777, before, "{mode}");
+        assert_eq!(env.state("app").as_deref(), Some("ready"), "{mode}");
+        fs::remove_dir_all(p.join("q")).unwrap();
+        let (code, said) = said_by(&env, 1001, &rebuild);
+        assert_eq!(code, Some(0), "{mode}: {said}");
+        assert_eq!(names_in(&env, "app"), ["b"], "{mode}");
+    }
+}
+
 /// The mode of `p`'s permission bits (a group store's directories are setgid besides).
 fn mode_of(p: &Path) -> u32 {
     fs::symlink_metadata(p).unwrap().mode() & 0o777
