@@ -587,8 +587,28 @@ fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
     if !names.split(|b| *b == b'/').all(inside) {
         return Ok(());
     }
-    let Ok(fd) = open_journaled(top, &names) else {
-        return Ok(());
+    // Gone (or a link now): no loan left there. Anything else (a directory on its path another
+    // member made unsearchable) keeps the journal as it is, to be restored once it is reachable.
+    let fd = match open_journaled(top, &names) {
+        Ok(fd) => fd,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+            ) =>
+        {
+            return Ok(());
+        }
+        Err(e) if e.raw_os_error().is_none() => return Ok(()),
+        Err(e) => {
+            let shown = String::from_utf8_lossy(&names);
+            return Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot reach {shown:?} in the base to put its mode back ({e}): the loan stays journaled until it can be"
+                ),
+            ));
+        }
     };
     let st = dir::fstat(&fd)?;
     // Another inode at that name now, a mode changed since by a writer, or an inode its journal's

@@ -1969,6 +1969,51 @@ fn a_journal_of_loans_planted_for_a_lender_is_refused_not_followed() {
     }
 }
 
+/// A copy by uid 1001 killed while it has `B/sec` of the base lent, `B` being another member's
+/// directory that member then makes unsearchable: 1001's next copy cannot put the mode back, says
+/// so naming the entry, and keeps the loan journaled (its uid in the lend file); once `B` is
+/// searchable again, the next copy puts the mode back. Before, the loan was dropped from the
+/// journal as if it were none: the mode stayed lent for good, and nothing reported it.
+#[test]
+fn a_loan_its_lender_cannot_reach_stays_journaled_until_it_can() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "true");
+    builds_as(&env, 65534, "base", "mkdir -m 777 \"$STOWAGE_IMAGE_DIR/B\"");
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && echo s > B/sec && chmod 000 B/sec",
+    );
+    let b = env.root.join("img/base/B");
+    let sec = b.join("sec");
+    fs::set_permissions(&b, fs::Permissions::from_mode(0o755)).unwrap();
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    assert_eq!(mode_of(&sec), 0o400, "lent");
+    fs::set_permissions(&b, fs::Permissions::from_mode(0o700)).unwrap();
+    let copy = |t| ["exec", "--write", t, "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &copy("k2"));
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("B/sec") && said.contains("stays journaled"),
+        "{said}"
+    );
+    let lend = env.root.join("locks/images/base.lend");
+    assert_eq!(fs::read_to_string(&lend).unwrap(), "1001\n");
+    fs::set_permissions(&b, fs::Permissions::from_mode(0o755)).unwrap();
+    let (code, said) = said_by(&env, 1001, &copy("k3"));
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(mode_of(&sec), 0, "given back");
+}
+
 /// A lend file another member made that uid 1001 may not write (mode 644,
 /// as flock(1) under a 022 umask makes one): the copy's one line names the
 /// file, its mode, its owner and the fix. Before: "Permission denied".
