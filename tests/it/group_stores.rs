@@ -2014,6 +2014,30 @@ fn a_loan_its_lender_cannot_reach_stays_journaled_until_it_can() {
     assert_eq!(mode_of(&sec), 0, "given back");
 }
 
+/// A member whose umask masks its own bits (0277) writes and copies images of a group store: the
+/// lock and lend files it makes keep the owner's read and write, so its copy that lends, and every
+/// later command, may reopen them. Before, they were made mode 460: the copy failed part-way
+/// taking the lend lock exclusively, and every later command was refused until a repair.
+#[test]
+fn a_members_umask_that_masks_its_own_bits_leaves_its_lock_files_usable() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let script = "cd \"$STOWAGE_IMAGE_DIR\" && umask 022 && mkdir a && echo x > a/f && chmod 000 a";
+    for args in [
+        &["exec", "--write", "base", "--", "sh", "-c", script][..],
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+    ] {
+        let out = as_ids(&env, 1001, &[GID], "0277", args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    for name in ["base.lock", "base.lend", "c.lock"] {
+        let mode = mode_of(&env.root.join("locks/images").join(name));
+        assert_eq!(mode & 0o660, 0o660, "{name}: {mode:o}");
+    }
+}
+
 /// A lend file another member made that uid 1001 may not write (mode 644,
 /// as flock(1) under a 022 umask makes one): the copy's one line names the
 /// file, its mode, its owner and the fix. Before: "Permission denied".
