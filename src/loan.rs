@@ -337,6 +337,14 @@ fn set_lenders(lend: &File, uids: &[u32], old: &[String]) -> io::Result<()> {
     lend.sync_data()
 }
 
+/// Writes the lenders (and older loan lines) the lend file `from` names into `to`, a fresh one in
+/// its place (`from` set aside, a second name given it): the lend file is the only way to their
+/// journals.
+pub fn carry_lenders(from: &File, to: &File) -> io::Result<()> {
+    let (uids, old) = lend_lines(from)?;
+    set_lenders(to, &uids, &old)
+}
+
 /// Where `uid`'s journal for the lend file `lend` is: in `UID.loans`, a directory of `uid`'s beside
 /// it (so no part of a group store's layout, which a repair makes group-writable), under the lend
 /// file's name. The directory opened (made if `make`) only if it is `uid`'s and writable by nobody

@@ -2038,6 +2038,40 @@ fn a_members_umask_that_masks_its_own_bits_leaves_its_lock_files_usable() {
     }
 }
 
+/// A copy by uid 1001 killed with a directory of the base lent, then another member gives the
+/// lend file a second name: root's `doctor --repair` sets it aside, and still puts the mode back
+/// (the lenders it names carried over to a fresh lend file). Before, the list of lenders went with
+/// the file set aside: the mode stayed lent for good, and nothing reported it.
+#[test]
+fn a_lend_file_set_aside_for_a_second_name_keeps_its_lenders() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    assert_eq!(mode_of(&a), 0o500, "lent");
+    let lend = env.root.join("locks/images/base.lend");
+    // As a member may (group-writable), made here by root: the doctor sees a second name.
+    fs::hard_link(&lend, env.tmp.path().join("other-name")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("set aside"), "{}", show(&out));
+    assert_eq!(mode_of(&a), 0, "given back");
+    let out = env.run(["doctor"]);
+    assert!(!stdout(&out).contains("loans"), "{}", show(&out));
+}
+
 /// A lend file another member made that uid 1001 may not write (mode 644,
 /// as flock(1) under a 022 umask makes one): the copy's one line names the
 /// file, its mode, its owner and the fix. Before: "Permission denied".
