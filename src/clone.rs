@@ -208,6 +208,17 @@ fn open_source(
             _ => e,
         });
     }
+    // The kernel clears the setgid bit on a chmod by one not in the inode's group: a loan would
+    // take it from the base for good (its give-back could not set it again).
+    if !dir::chmod_keeps_setgid(meta) {
+        let (mode, gid) = (meta.st_mode & 0o7777, meta.st_gid);
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "it is mode {mode:04o}, setgid for group {gid}, not one of yours: lending yourself its owner bits would clear its setgid bit for good, so only root can copy it"
+            ),
+        ));
+    }
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
     let now = dir::fstat(&path)?;
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {

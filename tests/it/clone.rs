@@ -932,6 +932,30 @@ fn a_rebuild_that_gives_up_on_the_lend_lock_leaves_the_image_as_it_was() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
 
+/// A copy by the base's owner of a file of its own it may not read, setgid for a group it is not
+/// in (mode 2010, group 1): refused, naming the file and why, and the base's file keeps its
+/// setgid bit. Before, the loan of the owner's read bit (a chmod by a non-member of the file's
+/// group) cleared the setgid bit, and the mode given back lacked it for good.
+#[test]
+fn a_copy_never_lends_itself_a_file_whose_setgid_bit_a_loan_would_clear() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "base", "echo x > \"$STOWAGE_IMAGE_DIR/f\"");
+    let f = env.images_dir().join("base/f");
+    std::os::unix::fs::chown(&f, None, Some(1)).unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o2010)).unwrap();
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("base/f") && err.contains("setgid"), "{err}");
+    assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, 0o2010);
+}
+
 /// A copy by the base's owner SIGKILLed while it has an entry of mode 000
 /// lent: `doctor` says so, and `doctor --repair`, `gc`, a write of the base
 /// or the next copy of it puts the mode back (the next copy first, so it
