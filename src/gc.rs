@@ -446,6 +446,8 @@ pub(crate) fn restore_loans(
         match done {
             Some(Ok(true)) => restored.push(name.to_string()),
             Some(Err(why)) => left.push((name.to_string(), Some(why.to_string()))),
+            // Not tried: why a try would leave them too, where known, so none is promised.
+            None if !restore => left.push((name.to_string(), crate::loan::left_why(&lend))),
             _ => left.push((name.to_string(), None)),
         }
     }

@@ -535,10 +535,46 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
         None => Ok(()),
         Some(uid) => Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
-            format!(
-                "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('{STOWAGE} doctor --repair')"
-            ),
+            theirs(*uid),
         )),
+    }
+}
+
+/// Why loans `uid` journaled are left to that user or root.
+fn theirs(uid: u32) -> String {
+    format!(
+        "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('{STOWAGE} doctor --repair')"
+    )
+}
+
+/// Why the lend file at `path` keeps older release's loan lines.
+fn older(path: &Path) -> String {
+    let path = path.display();
+    format!(
+        "{path} holds an older release's loan lines, not acted on (any member may write it): its owner or root checks the modes they name, then removes them"
+    )
+}
+
+/// Why a restore by us would leave the loans the lend file at `path` names, found without acting
+/// on them (`doctor` without `--repair`): another user's journal, an older release's lines.
+/// `None` where it would put them back (or cannot tell).
+pub fn left_why(path: &Path) -> Option<String> {
+    let lend = lock::open_existing_read(path).ok()??;
+    let (uids, old) = lend_lines(&lend).ok()?;
+    let me = nix::unistd::geteuid().as_raw();
+    let has_loans = |uid: u32| {
+        let Ok(Some((dir, name))) = journal_of(path, uid, false) else {
+            return false;
+        };
+        let journal = open_journal(&dir, &name, uid, libc::O_RDONLY, path);
+        journal.is_ok_and(|j| j.is_some_and(|j| j.metadata().is_ok_and(|m| m.len() > 0)))
+    };
+    let other = uids
+        .into_iter()
+        .find(|u| me != 0 && *u != me && has_loans(*u));
+    match other {
+        Some(uid) => Some(theirs(uid)),
+        None => (!old.is_empty()).then(|| older(path)),
     }
 }
 
@@ -640,10 +676,7 @@ pub fn restore_left(path: &Path, top: &Dir) -> io::Result<bool> {
     // Kept, never acted on: any member may have written them (a loan counts only in its lender's
     // journal), so whether a mode they name is still lent is for its owner or root to judge.
     if !lend_lines(g.file())?.1.is_empty() {
-        let path = path.display();
-        return Err(io::Error::other(format!(
-            "{path} holds an older release's loan lines, not acted on (any member may write it): its owner or root checks the modes they name, then removes them"
-        )));
+        return Err(io::Error::other(older(path)));
     }
     Ok(true)
 }

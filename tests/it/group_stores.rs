@@ -2350,6 +2350,47 @@ fn a_loan_an_older_release_left_in_the_lend_file_is_kept_and_reported() {
     assert!(!stdout(&out).contains("loans"), "{}", show(&out));
 }
 
+/// Plain `doctor` promises no restore a repair would not make: with an older release's loan line
+/// in the lend file, it names the line as not acted on; with another member's loan left, run by a
+/// member who cannot restore it, it names the uid who must. Before, both said "the next copy of
+/// each, 'stowage gc' or 'stowage doctor --repair' restores them", which never happened.
+#[test]
+fn plain_doctor_promises_no_restore_the_repair_would_not_make() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir -p a/b && echo x > a/b/f && chmod 000 a/b/f",
+    );
+    let copy = ["exec", "--write", "c0", "--from", "base", "--", "true"];
+    assert_eq!(said_by(&env, 1001, &copy).0, Some(0), "makes the lend file");
+    let f = lend_the_old_way(&env);
+    let out = env.run(["doctor"]);
+    let said = stdout(&out);
+    assert!(
+        said.contains("older release") && !said.contains("restores them"),
+        "{}",
+        show(&out)
+    );
+    fs::write(env.root.join("locks/images/base.lend"), "").unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o000)).unwrap();
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    let (_, said) = said_by(&env, 65534, &["doctor"]);
+    assert!(
+        said.contains("uid 1001") && !said.contains("restores them"),
+        "{said}"
+    );
+}
+
 /// Gives `dir` the default ACL `spec` (`setfacl -d -m`); false, said, where this machine has no
 /// ACLs (or no setfacl): the caller skips.
 fn default_acl(dir: &Path, spec: &str) -> bool {
