@@ -2072,6 +2072,51 @@ fn a_lend_file_set_aside_for_a_second_name_keeps_its_lenders() {
     assert!(!stdout(&out).contains("loans"), "{}", show(&out));
 }
 
+/// A copy by uid 1001 killed with a directory of the base lent, then its uid taken out of the
+/// lend file (as an older release's gc or repair rewrites it, keeping only its own lines; or any
+/// member, who may write it): doctor still reports the loan, and the next copy puts the mode back
+/// before copying (the copy faithful), as `doctor --repair` does. Before, the journal was reached
+/// only through the lend file: the mode stayed lent for good, and nothing reported it.
+#[test]
+fn a_loan_whose_lender_the_lend_file_no_longer_names_is_still_restored() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let lend = env.root.join("locks/images/base.lend");
+    let kill_lending = |t: &str| {
+        let bg = paused_as(
+            &env,
+            1001,
+            &["--write", t, "--from", "base"],
+            "clone-copying",
+        );
+        bg.kill_all();
+        // Its pause's directory, made anew by the next.
+        fs::remove_dir_all(env.tmp.path().join("pauses-1001")).unwrap();
+        assert_eq!(mode_of(&a), 0o500, "lent");
+        fs::write(&lend, "").unwrap();
+    };
+    kill_lending("k1");
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("loans"), "{}", show(&out));
+    let copy = ["exec", "--write", "c", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &copy);
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(mode_of(&a), 0, "given back by the next copy");
+    assert_eq!(mode_of(&env.root.join("img/c/a")), 0, "copied as it was");
+    kill_lending("k2");
+    let out = env.run(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("restored"), "{}", show(&out));
+    assert_eq!(mode_of(&a), 0, "given back by the repair");
+}
+
 /// A lend file another member made that uid 1001 may not write (mode 644,
 /// as flock(1) under a 022 umask makes one): the copy's one line names the
 /// file, its mode, its owner and the fix. Before: "Permission denied".
