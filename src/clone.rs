@@ -215,7 +215,7 @@ fn open_source(
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
-                "it is mode {mode:04o}, setgid for group {gid}, not one of yours: lending yourself its owner bits would clear its setgid bit for good, so only root can copy it"
+                "it is mode {mode:04o}, setgid for group {gid} (not yours): a loan of its owner bits would clear that bit for good, so only root can copy it"
             ),
         ));
     }
