@@ -167,6 +167,23 @@ fn withheld(meta: &libc::stat) -> libc::mode_t {
     need & !meta.st_mode
 }
 
+/// Whether a copy of the base whose top is `top` (named `src`) may lend itself owner access: an
+/// entry of ours withholds it ([`withheld`]), or the base could not be looked at whole.
+pub fn lends(top: &Dir, src: &Path) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return false;
+    }
+    let Ok(top) = top.duplicate() else {
+        return true;
+    };
+    let skip = crate::disk_usage::Unseen::Skip;
+    let found = crate::disk_usage::walk_dir(top, src, skip, &mut |_, _, st| match withheld(st) {
+        0 => Ok(()),
+        _ => Err(io::Error::other("lends")),
+    });
+    !matches!(found, Ok(true))
+}
+
 /// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One whose mode (ours)
 /// keeps the owner's read (and for a directory search) bits from us gets a loan of them through an
 /// `O_PATH` descriptor of the very inode (`names` from the base's top, the lend lock held
@@ -190,6 +207,17 @@ fn open_source(
             }
             _ => e,
         });
+    }
+    // The kernel clears the setgid bit on a chmod by one not in the inode's group: a loan would
+    // take it from the base for good (its give-back could not set it again).
+    if !dir::chmod_keeps_setgid(meta) {
+        let (mode, gid) = (meta.st_mode & 0o7777, meta.st_gid);
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "it is mode {mode:04o}, setgid for group {gid} (not yours): a loan of its owner bits would clear that bit for good, so only root can copy it"
+            ),
+        ));
     }
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
     let now = dir::fstat(&path)?;

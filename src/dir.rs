@@ -94,6 +94,16 @@ pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Re
     cvt(unsafe { libc::chmod(proc.as_ptr(), mode) }).map(drop)
 }
 
+/// Whether a chmod of ours keeps the setgid bit of the inode `st`: the kernel clears it where the
+/// caller is neither root nor in the inode's group, and only such a caller could set it again.
+pub fn chmod_keeps_setgid(st: &libc::stat) -> bool {
+    let gid = nix::unistd::Gid::from_raw(st.st_gid);
+    st.st_mode & libc::S_ISGID == 0
+        || nix::unistd::geteuid().is_root()
+        || nix::unistd::getegid() == gid
+        || nix::unistd::getgroups().is_ok_and(|g| g.contains(&gid))
+}
+
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
 const ANCHOR_FLAGS: libc::c_int = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
 

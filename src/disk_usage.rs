@@ -143,6 +143,19 @@ pub fn can_share(dir: &Path) -> bool {
 
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
+/// How a walk meets what it cannot look inside.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Unseen {
+    /// Passed over: another mount is no part of the tree, a directory we may not read counts as
+    /// itself (the walk is then not whole).
+    Skip,
+    /// Refused with an error naming it, for a check that must see all a deletion would: a mount
+    /// below the top, a directory that cannot be looked inside. One of ours (not root's) whose
+    /// mode keeps us out is lent owner read and search while walked, its mode given back as the
+    /// walk leaves it (as deleting it would lend it).
+    Refuse,
+}
+
 /// Calls `visit` on every entry under `dir` (the top as `.`), depth first, on the top's mount;
 /// skips vanished entries. False if a directory could not be read (counted as itself).
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
@@ -151,76 +164,85 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
-    walk_dir(top, dir, visit)
+    walk_dir(top, dir, Unseen::Skip, visit)
 }
 
-/// [`walk`] of the directory `top`, opened by the caller; `dir` names it in messages.
-pub fn walk_dir(top: Dir, dir: &Path, visit: &mut Visit) -> io::Result<bool> {
+/// [`walk`] of the directory `top`, opened by the caller; `dir` names it in messages. Every loan
+/// ([`Unseen::Refuse`]) is given back however the walk ends.
+pub fn walk_dir(top: Dir, dir: &Path, unseen: Unseen, visit: &mut Visit) -> io::Result<bool> {
     let at_top = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
     let st = dir::fstat(&top).map_err(at_top)?;
-    let (dev, mount) = (st.st_dev, top.mount_id().map_err(at_top)?);
+    let mount = top.mount_id().map_err(at_top)?;
     visit(&top, c".", &st)?;
     let names = top.entries().map_err(at_top)?;
     let mut trail = Trail::default();
-    let mut stack = vec![(Some(top), (st.st_dev, st.st_ino), names.into_iter())];
+    let mut stack = vec![(Some(top), (st.st_dev, st.st_ino), names.into_iter(), None)];
+    let walked = walk_levels(&mut stack, &mut trail, (dir, mount), unseen, visit);
+    // Left by an error: climbing out reopens the levels closed, and gives their loans back.
+    while !stack.is_empty() && climb(&mut stack, &mut trail).is_ok() {}
+    walked
+}
+
+/// The walk of [`walk_dir`] from the levels on `stack` (`dir` names the top, on mount `mount`).
+fn walk_levels(
+    stack: &mut Vec<Level>,
+    trail: &mut Trail,
+    (dir, mount): (&Path, Option<u64>),
+    unseen: Unseen,
+    visit: &mut Visit,
+) -> io::Result<bool> {
+    let at_top = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
+    let dev = stack[0].1.0;
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
     let mut whole = true;
-    while let Some((d, _, names)) = stack.last_mut() {
+    while let Some((d, _, names, _)) = stack.last_mut() {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let d = d.as_ref().expect("the deepest levels are open");
         let Some(name) = names.next() else {
-            climb(&mut stack, &mut trail).map_err(at_top)?;
+            climb(stack, trail).map_err(at_top)?;
             continue;
         };
         let bounded = |e: io::Error, trail: &Trail, name: &CStr| {
             io::Error::new(e.kind(), format!("{}: {e}", trail.show(dir, Some(name))))
         };
+        let hidden = |trail: &Trail, name: &CStr, why: &str| {
+            io::Error::other(format!("{}: {why}", trail.show(dir, Some(name))))
+        };
         let st = match d.lstat_at(&name) {
             Ok(st) => st,
             Err(e) if gone(&e) => continue,
             // A directory we may list but not search (mode 600): its inside is not seen.
-            Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) && unseen == Unseen::Skip => {
                 whole = false;
-                climb(&mut stack, &mut trail).map_err(at_top)?;
+                climb(stack, trail).map_err(at_top)?;
                 continue;
             }
-            Err(e) => return Err(bounded(e, &trail, &name)),
+            Err(e) => return Err(bounded(e, trail, &name)),
         };
-        if st.st_dev != dev {
-            continue;
-        }
-        // A directory is opened before it is counted: a bind mount of this same filesystem has
-        // its device number, and only the mount id tells it is not the tree.
-        let sub = match dir::file_type(&st) == libc::S_IFDIR {
-            false => None,
-            true => match d.sub(OsStr::from_bytes(name.to_bytes())) {
-                Ok(sub) => match sub.mount_id() {
-                    Ok(here) if mount.is_some() && here != mount => continue,
-                    Ok(_) => Some(sub),
-                    Err(e) => return Err(bounded(e, &trail, &name)),
-                },
-                Err(e) if gone(&e) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
-                    whole = false;
-                    None
-                }
-                Err(e) => return Err(bounded(e, &trail, &name)),
-            },
+        let entered = match dir::file_type(&st) == libc::S_IFDIR || st.st_dev != dev {
+            true => enter(d, &name, &st, (dev, mount), unseen),
+            false => Ok(Entered::Leaf),
         };
-        visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
-        if let Some(sub) = sub {
-            // A listing never fails for a directory gone (`Dir::listing`).
-            let names = match sub.entries() {
-                Ok(names) => names,
-                // Failing would leave the image unmeasured, counted as nothing against gc's budget.
-                Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
-                    whole = false;
-                    continue;
-                }
-                Err(e) => return Err(bounded(e, &trail, &name)),
-            };
+        let sub = match entered.map_err(|e| bounded(e, trail, &name))? {
+            Entered::Gone => continue,
+            Entered::Mount if unseen == Unseen::Skip => continue,
+            Entered::Mount => return Err(hidden(trail, &name, MOUNT)),
+            Entered::Unread if unseen == Unseen::Skip => {
+                whole = false;
+                None
+            }
+            // Said as the visit says it where it can (another user's, with its owner).
+            Entered::Unread => {
+                visit(d, &name, &st).map_err(|e| bounded(e, trail, &name))?;
+                return Err(hidden(trail, &name, UNREAD));
+            }
+            Entered::Leaf => None,
+            Entered::Dir(sub, names, lent) => Some((sub, names, lent)),
+        };
+        visit(d, &name, &st).map_err(|e| bounded(e, trail, &name))?;
+        if let Some((sub, names, lent)) = sub {
             trail.0.push(name);
-            stack.push((Some(sub), (st.st_dev, st.st_ino), names.into_iter()));
+            stack.push((Some(sub), (st.st_dev, st.st_ino), names.into_iter(), lent));
             if let Some(i) = stack.len().checked_sub(dir::OPEN_LEVELS + 1) {
                 stack[i].0 = None;
             }
@@ -229,18 +251,138 @@ pub fn walk_dir(top: Dir, dir: &Path, visit: &mut Visit) -> io::Result<bool> {
     Ok(whole)
 }
 
-/// A level of [`walk`]: its directory (closed far above the deepest), its identity, its names left.
-type Level = (Option<Dir>, (u64, u64), std::vec::IntoIter<CString>);
+const MOUNT: &str = "a mount point; unmount it first (nothing is deleted across a mount)";
+const UNREAD: &str =
+    "a directory that cannot be looked inside, so not all it holds can be known deletable";
 
-/// Leaves the deepest level of a walk for the one above, reopened through `..` if it was closed.
-fn climb(stack: &mut Vec<Level>, trail: &mut Trail) -> io::Result<()> {
-    let (done, ..) = stack.pop().expect("not empty");
-    trail.0.pop();
-    if let Some((up @ None, id, _)) = stack.last_mut() {
-        let done = done.expect("the deepest level is open");
-        *up = Some(done.parent_checked(*id, "measured")?);
+/// What a walk finds at a directory (or another mount's) entry.
+enum Entered {
+    Gone,
+    /// On another mount: no part of the tree.
+    Mount,
+    /// A directory we may not read.
+    Unread,
+    /// Not a directory.
+    Leaf,
+    /// Opened and listed, with the mode to give back if it was lent owner access.
+    Dir(Dir, Vec<CString>, Option<libc::mode_t>),
+}
+
+/// Opens the entry `name` of `d` (stat `st`), a directory or on another device than the tree's
+/// (`dev`, `mount`), to walk it; with [`Unseen::Refuse`], one of ours that keeps us out is lent
+/// owner access first. A file is on another mount only if its mount id says so (overlayfs gives
+/// files the device of the layer holding them).
+fn enter(
+    d: &Dir,
+    name: &CStr,
+    st: &libc::stat,
+    (dev, mount): (u64, Option<u64>),
+    unseen: Unseen,
+) -> io::Result<Entered> {
+    let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
+    let name = OsStr::from_bytes(name.to_bytes());
+    // Only on another device is a file entered here.
+    if dir::file_type(st) != libc::S_IFDIR {
+        let other = match unseen {
+            Unseen::Skip => true,
+            Unseen::Refuse => match d.mount_id_at(name) {
+                Err(e) if gone(&e) => return Ok(Entered::Gone),
+                here => here? != mount,
+            },
+        };
+        return Ok(if other { Entered::Mount } else { Entered::Leaf });
     }
-    Ok(())
+    if st.st_dev != dev {
+        return Ok(Entered::Mount);
+    }
+    let lent = match lends(st, unseen) {
+        false => None,
+        true => match lend(d, name, st) {
+            Err(e) if gone(&e) => return Ok(Entered::Gone),
+            lent => Some(lent?),
+        },
+    };
+    // A directory is opened before it is counted: a bind mount of this same filesystem has its
+    // device number, and only the mount id tells it is not the tree.
+    let sub = match d.sub(name) {
+        Ok(sub) => sub,
+        Err(e) if gone(&e) => return Ok(Entered::Gone),
+        Err(e) if e.raw_os_error() == Some(libc::EACCES) => return Ok(Entered::Unread),
+        Err(e) => return Err(e),
+    };
+    let give_back = || {
+        if let Some(mode) = lent {
+            let _ = nix::sys::stat::fchmod(&sub, nix::sys::stat::Mode::from_bits_retain(mode));
+        }
+    };
+    let here = sub.mount_id().inspect_err(|_| give_back())?;
+    if mount.is_some() && here != mount {
+        give_back();
+        return Ok(Entered::Mount);
+    }
+    // A listing never fails for a directory gone (`Dir::listing`); one refused (failing would
+    // leave the image unmeasured, counted as nothing against gc's budget) is not seen.
+    match sub.entries() {
+        Ok(names) => Ok(Entered::Dir(sub, names, lent)),
+        Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+            give_back();
+            Ok(Entered::Unread)
+        }
+        Err(e) => {
+            give_back();
+            Err(e)
+        }
+    }
+}
+
+/// Whether the directory `st` is lent owner access to be walked: ours (not root's), its mode
+/// keeping us out, and a chmod of ours would not clear its setgid bit (never given back then).
+fn lends(st: &libc::stat, unseen: Unseen) -> bool {
+    let me = nix::unistd::geteuid().as_raw();
+    unseen == Unseen::Refuse
+        && me != 0
+        && st.st_uid == me
+        && st.st_mode & 0o500 != 0o500
+        && dir::chmod_keeps_setgid(st)
+}
+
+/// Lends owner read and search to the directory `name` of `d`, still the inode `st`: its mode
+/// before.
+fn lend(d: &Dir, name: &OsStr, st: &libc::stat) -> io::Result<libc::mode_t> {
+    let a = d.anchor_sub(name)?;
+    let now = a.stat()?;
+    if (now.dev, now.ino) != (st.st_dev, st.st_ino) {
+        return Err(io::Error::other("changed while looked at"));
+    }
+    let mode = st.st_mode & 0o7777;
+    dir::chmod_o_path(a.as_raw_fd(), mode | 0o500)?;
+    Ok(mode)
+}
+
+/// A level of [`walk`]: its directory (closed far above the deepest), its identity, its names
+/// left, and its mode to give back if it was lent owner access.
+type Level = (
+    Option<Dir>,
+    (u64, u64),
+    std::vec::IntoIter<CString>,
+    Option<libc::mode_t>,
+);
+
+/// Leaves the deepest level of a walk for the one above, reopened through `..` if it was closed,
+/// then gives back its loan.
+fn climb(stack: &mut Vec<Level>, trail: &mut Trail) -> io::Result<()> {
+    let (done, _, _, lent) = stack.pop().expect("not empty");
+    trail.0.pop();
+    // Only after a climb failed (an error's way out) is the deepest closed.
+    let done = done.ok_or_else(|| io::Error::other("a level above could not be reopened"))?;
+    let reopened = match stack.last_mut() {
+        Some((up @ None, id, ..)) => done.parent_checked(*id, "measured").map(|d| *up = Some(d)),
+        _ => Ok(()),
+    };
+    if let Some(mode) = lent {
+        nix::sys::stat::fchmod(&done, nix::sys::stat::Mode::from_bits_retain(mode))?;
+    }
+    reopened
 }
 
 // The FIEMAP ioctl (linux/fiemap.h).

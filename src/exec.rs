@@ -150,6 +150,11 @@ fn copy_base(
         {
             return Err(e.context(Error::Interrupted(sig)));
         }
+        // A lock given up on once the image changed skipped nothing: the rebuild failed part-way.
+        if changed && matches!(error::typed(&e), Some(Error::Busy(_))) {
+            let said = error::one_line(&e);
+            anyhow::bail!("{said}; '{target}' is incomplete");
+        }
         return Err(e);
     }
     // Where its lock may have been lost during the copy, the base must be as it was read.

@@ -419,6 +419,7 @@ pub(crate) fn restore_loans(
     restore: bool,
 ) -> (Vec<String>, Vec<(String, Option<String>)>) {
     let (mut restored, mut left) = (Vec::new(), Vec::new());
+    let lenders = crate::loan::lenders_beside(&root.image_locks());
     for e in entries {
         let Some(r) = e.seen.record.as_ref() else {
             continue;
@@ -427,9 +428,11 @@ pub(crate) fn restore_loans(
             continue;
         };
         let lend = root.image_lend(&name);
-        // A loan under way is its copy's (held exclusively).
+        // A loan under way is its copy's (held exclusively). A journal the lend file does not
+        // name counts too (any member may write it; an older release drops its uid lines).
         let live = || lock::probe(&lend).is_ok_and(|p| p == lock::Probe::Exclusive);
-        if !std::fs::metadata(&lend).is_ok_and(|m| m.len() > 0) || live() {
+        let named = std::fs::metadata(&lend).is_ok_and(|m| m.len() > 0);
+        if !(named || lenders.iter().any(|u| crate::loan::has_loans(&lend, *u))) || live() {
             continue;
         }
         let done = restore
@@ -446,6 +449,8 @@ pub(crate) fn restore_loans(
         match done {
             Some(Ok(true)) => restored.push(name.to_string()),
             Some(Err(why)) => left.push((name.to_string(), Some(why.to_string()))),
+            // Not tried: why a try would leave them too, where known, so none is promised.
+            None if !restore => left.push((name.to_string(), crate::loan::left_why(&lend))),
             _ => left.push((name.to_string(), None)),
         }
     }

@@ -13,8 +13,9 @@
 //!   mode lent), written durably before the chmod and cut off after the mode is back (loans are a
 //!   stack). Only its lender can write it (its own, no group or other write bit, one name): in a
 //!   group store any member may write the lend file, so a line there could make a restorer take
-//!   owner bits away. The lend file only names the uids with a journal (an empty one: no loan,
-//!   so a copy reads nothing more), besides loan lines the previous release journaled in it:
+//!   owner bits away. The lend file only names the uids with a journal (also found by their
+//!   `UID.loans` directories: any member, or an older release, may rewrite it without one),
+//!   besides loan lines the previous release journaled in it:
 //!   kept and reported, never acted on (anyone of the group may have written them). Whoever next holds the lock exclusively (the next copy, `gc`,
 //!   `doctor --repair`) restores what a killed lender left: a line of UID's journal, on an inode
 //!   of UID's that is the same and still has the lent mode, gets its mode back — by UID or root;
@@ -142,7 +143,7 @@ impl Loans {
             lending: None,
         };
         loans.lock(Mode::Shared)?;
-        if loans.lend_file()?.metadata()?.len() > 0 {
+        if loans.lend_file()?.metadata()?.len() > 0 || !journaled(&loans.path).is_empty() {
             loans.lock(Mode::Exclusive)?;
         }
         Ok(loans)
@@ -337,6 +338,14 @@ fn set_lenders(lend: &File, uids: &[u32], old: &[String]) -> io::Result<()> {
     lend.sync_data()
 }
 
+/// Writes the lenders (and older loan lines) the lend file `from` names into `to`, a fresh one in
+/// its place (`from` set aside, a second name given it): the lend file is the only way to their
+/// journals.
+pub fn carry_lenders(from: &File, to: &File) -> io::Result<()> {
+    let (uids, old) = lend_lines(from)?;
+    set_lenders(to, &uids, &old)
+}
+
 /// Where `uid`'s journal for the lend file `lend` is: in `UID.loans`, a directory of `uid`'s beside
 /// it (so no part of a group store's layout, which a repair makes group-writable), under the lend
 /// file's name. The directory opened (made if `make`) only if it is `uid`'s and writable by nobody
@@ -504,11 +513,16 @@ fn lines_last_first(
 /// owned by the journal's owner, who alone can have lent it. Another user's journal is kept, and
 /// said: that user (or root) restores it.
 pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
-    if lend.metadata()?.len() == 0 {
+    let (mut uids, old) = lend_lines(lend)?;
+    for uid in journaled(path) {
+        if !uids.contains(&uid) {
+            uids.push(uid);
+        }
+    }
+    if uids.is_empty() && old.is_empty() {
         return Ok(());
     }
     let (mut left, mut refused) = (Vec::new(), None);
-    let (uids, old) = lend_lines(lend)?;
     for uid in uids {
         match restore_journal(path, uid, top) {
             Ok(false) => {}
@@ -527,10 +541,71 @@ pub fn restore(lend: &File, path: &Path, top: &Dir) -> io::Result<()> {
         None => Ok(()),
         Some(uid) => Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
-            format!(
-                "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('{STOWAGE} doctor --repair')"
-            ),
+            theirs(*uid),
         )),
+    }
+}
+
+/// Why loans `uid` journaled are left to that user or root.
+fn theirs(uid: u32) -> String {
+    format!(
+        "modes a killed copy by uid {uid} lent are left on the base: only that user or root can put them back ('{STOWAGE} doctor --repair')"
+    )
+}
+
+/// Why the lend file at `path` keeps older release's loan lines.
+fn older(path: &Path) -> String {
+    let path = path.display();
+    format!(
+        "{path} holds an older release's loan lines, not acted on (any member may write it): its owner or root checks the modes they name, then removes them"
+    )
+}
+
+/// Whether `uid` has a journal of loans with lines for the lend file at `path`.
+pub fn has_loans(path: &Path, uid: u32) -> bool {
+    let Ok(Some((dir, name))) = journal_of(path, uid, false) else {
+        return false;
+    };
+    let journal = open_journal(&dir, &name, uid, libc::O_RDONLY, path);
+    journal.is_ok_and(|j| j.is_some_and(|j| j.metadata().is_ok_and(|m| m.len() > 0)))
+}
+
+/// The uids whose journal for the lend file at `path` has lines, found by their `UID.loans`
+/// directories beside it: the lend file names them too, but any member may write it, and an older
+/// release rewriting it drops them.
+fn journaled(path: &Path) -> Vec<u32> {
+    let lenders = lenders_beside(path.parent().unwrap_or(path));
+    lenders
+        .into_iter()
+        .filter(|uid| has_loans(path, *uid))
+        .collect()
+}
+
+/// The uids with a `UID.loans` directory in `locks` (the lend files' directory): every lender.
+pub fn lenders_beside(locks: &Path) -> Vec<u32> {
+    let Ok(locks) = Dir::open_in_root(locks) else {
+        return Vec::new();
+    };
+    let names = locks.names().unwrap_or_default();
+    let uids = names.iter().filter_map(|n| {
+        let uid = n.to_str()?.strip_suffix(".loans")?;
+        uid.parse().ok()
+    });
+    uids.collect()
+}
+
+/// Why a restore by us would leave the loans the lend file at `path` names, found without acting
+/// on them (`doctor` without `--repair`): another user's journal, an older release's lines.
+/// `None` where it would put them back (or cannot tell).
+pub fn left_why(path: &Path) -> Option<String> {
+    let lend = lock::open_existing_read(path).ok()??;
+    let (uids, old) = lend_lines(&lend).ok()?;
+    let me = nix::unistd::geteuid().as_raw();
+    let other = (uids.into_iter().chain(journaled(path)))
+        .find(|u| me != 0 && *u != me && has_loans(path, *u));
+    match other {
+        Some(uid) => Some(theirs(uid)),
+        None => (!old.is_empty()).then(|| older(path)),
     }
 }
 
@@ -587,8 +662,28 @@ fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
     if !names.split(|b| *b == b'/').all(inside) {
         return Ok(());
     }
-    let Ok(fd) = open_journaled(top, &names) else {
-        return Ok(());
+    // Gone (or a link now): no loan left there. Anything else (a directory on its path another
+    // member made unsearchable) keeps the journal as it is, to be restored once it is reachable.
+    let fd = match open_journaled(top, &names) {
+        Ok(fd) => fd,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+            ) =>
+        {
+            return Ok(());
+        }
+        Err(e) if e.raw_os_error().is_none() => return Ok(()),
+        Err(e) => {
+            let shown = String::from_utf8_lossy(&names);
+            return Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot reach {shown:?} in the base to put its mode back ({e}): the loan stays journaled until it can be"
+                ),
+            ));
+        }
     };
     let st = dir::fstat(&fd)?;
     // Another inode at that name now, a mode changed since by a writer, or an inode its journal's
@@ -605,17 +700,14 @@ fn restore_line(line: &str, top: &Dir, owner: u32) -> io::Result<()> {
 /// Restores what a killed lender left journaled for the lend file at `path` on the tree `top`, if
 /// no copy holds its lock now: whether it did.
 pub fn restore_left(path: &Path, top: &Dir) -> io::Result<bool> {
-    let Some(g) = lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Fail)? else {
+    let Some(g) = lock::acquire_no_wait(path, Mode::Exclusive, IfMissing::Create)? else {
         return Ok(false);
     };
     restore(g.file(), path, top)?;
     // Kept, never acted on: any member may have written them (a loan counts only in its lender's
     // journal), so whether a mode they name is still lent is for its owner or root to judge.
     if !lend_lines(g.file())?.1.is_empty() {
-        let path = path.display();
-        return Err(io::Error::other(format!(
-            "{path} holds an older release's loan lines, not acted on (any member may write it): its owner or root checks the modes they name, then removes them"
-        )));
+        return Err(io::Error::other(older(path)));
     }
     Ok(true)
 }

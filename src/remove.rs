@@ -282,6 +282,13 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
     match images.move_dir_to(enc, trash, &dest) {
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            // Deleted in place: what would stop the deletion part-way is found first.
+            let top = images
+                .sub(enc)
+                .with_context(|| format!("cannot open {}", tree.display()));
+            if let Err(e) = top.and_then(|top| deletable(&top, tree, "delete")) {
+                return Taken::Refused(e);
+            }
             let mut removed = 0;
             let r = images.remove_entry(enc, &mut removed, &in_use_by_a_store);
             match r.with_context(|| format!("cannot delete {}", tree.display())) {
@@ -383,8 +390,8 @@ pub fn empty_image_dir(
 ) -> Result<()> {
     let shown = images_dir.join(name.encoded());
     let shown = shown.display();
-    // A walk never crosses into another mount below its top; the top itself is asked here, before
-    // anything (its mode too) is changed.
+    // The check walk refuses a mount below the top; the top itself is asked here, before anything
+    // (its mode too) is changed.
     let top = (images.sub(name.encoded())).with_context(|| format!("cannot open {shown}"))?;
     if top
         .is_mount_root()
@@ -399,13 +406,8 @@ pub fn empty_image_dir(
         return Ok(());
     }
     // What cannot be deleted is found before anything is: a refusal then leaves the image as it
-    // was (its state and base too) instead of emptied in part.
-    if nix::unistd::geteuid().as_raw() != 0 {
-        let at = images_dir.join(name.encoded());
-        let none = |e| anyhow::anyhow!("cannot empty {shown}: {e}; nothing was deleted");
-        let walked = top.duplicate().map_err(none)?;
-        crate::disk_usage::walk_dir(walked, &at, &mut refuses_deletion).map_err(none)?;
-    }
+    // was (its state and base too) instead of emptied in part. Root too: a mount below the top.
+    deletable(&top, &images_dir.join(name.encoded()), "empty")?;
     crate::debug::pause("tree-checked");
     // A top its owner left without owner access (an image's `/` of mode 555) is lent it while
     // emptied, as for a removal's move; its mode is given back whatever happens.
@@ -417,6 +419,17 @@ pub fn empty_image_dir(
     emptied
 }
 
+/// Refuses, before anything is deleted, the tree `top` (at `at`) that deleting (`verb`) would stop
+/// part-way: an entry [`refuses_deletion`], a mount below the top, a directory not looked inside.
+fn deletable(top: &Dir, at: &Path, verb: &str) -> Result<()> {
+    let at_ = at.display();
+    let none = |e| anyhow::anyhow!("cannot {verb} {at_}: {e}; nothing was deleted");
+    let walked = top.duplicate().map_err(none)?;
+    let refuse = disk_usage::Unseen::Refuse;
+    disk_usage::walk_dir(walked, at, refuse, &mut refuses_deletion).map_err(none)?;
+    Ok(())
+}
+
 /// Refuses an entry of a tree to empty that we may not delete in, as known before deleting: a
 /// directory another user's that keeps us from listing or changing it (only its owner or root can
 /// empty it), or another user's entry in a sticky directory (`/tmp`'s 1777) not ours either, which
@@ -425,7 +438,8 @@ pub fn empty_image_dir(
 fn refuses_deletion(parent: &Dir, name: &std::ffi::CStr, st: &libc::stat) -> std::io::Result<()> {
     use nix::unistd::{AccessFlags, faccessat};
     let me = nix::unistd::geteuid().as_raw();
-    if st.st_uid == me {
+    // Root is refused by no mode.
+    if st.st_uid == me || me == 0 {
         return Ok(());
     }
     let up = crate::dir::fstat(parent)?;

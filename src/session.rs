@@ -411,21 +411,8 @@ impl Session {
                 src.display()
             );
         }
-        // Held until the copy ends: no other copy of the base lends meanwhile, or lends alone.
-        // Taken before the image is emptied: a refusal (a lend file planted, loans another user
-        // left) leaves it as it was.
+        let mut loans = lend_lock(store, req, base, &s, &src).with_context(cannot)?;
         let ctx = store.ctx();
-        let shown = (!ctx.quiet).then(|| format!("'{base}'"));
-        // `--no-wait`: one try, as for the image locks.
-        let deadline = if req.no_wait {
-            Some(Instant::now())
-        } else {
-            req.deadline
-        };
-        let lend = store.root().image_lend(base);
-        let mut loans = crate::loan::Loans::take(lend, &s, shown, deadline)
-            .with_context(|| format!("image '{base}'"))
-            .with_context(cannot)?;
         may_make_ours(&images, target, &dst).with_context(cannot)?;
         let mut removed = 0;
         let emptied = crate::remove::empty_image_dir(&images, images_dir, target, &mut removed);
@@ -1178,6 +1165,36 @@ impl Drop for Session {
     fn drop(&mut self) {
         self.release();
     }
+}
+
+/// The lend lock of `base` (its top `s`, at `src`), held until its copy ends: no other copy of it
+/// lends meanwhile, or lends alone. Taken before the image is emptied: a refusal (a lend file
+/// planted, loans another user left) leaves it as it was. Waited for as `req` waits for locks;
+/// where a wait may give up, taken exclusively now if the copy may lend, so that it gives up
+/// before the image is emptied.
+fn lend_lock(
+    store: &Store,
+    req: &Request,
+    base: &ImageName,
+    s: &Dir,
+    src: &Path,
+) -> Result<crate::loan::Loans> {
+    let shown = (!store.ctx().quiet).then(|| format!("'{base}'"));
+    // `--no-wait`: one try, as for the image locks.
+    let deadline = if req.no_wait {
+        Some(Instant::now())
+    } else {
+        req.deadline
+    };
+    let lend = store.root().image_lend(base);
+    let mut loans = crate::loan::Loans::take(lend, s, shown, deadline)
+        .with_context(|| format!("image '{base}'"))?;
+    if deadline.is_some() && crate::clone::lends(s, src) {
+        loans
+            .exclusive()
+            .with_context(|| format!("image '{base}'"))?;
+    }
+    Ok(loans)
 }
 
 /// Refuses, before anything is emptied, a top of another user's that [`make_ours`] could not

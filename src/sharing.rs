@@ -454,10 +454,12 @@ pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
         .with_context(|| format!("cannot set the mode of root {}", dir.display()))
 }
 
-/// Sets the umask for a group store (the caller's without its group bits); returns the caller's.
+/// Sets the umask for a group store (the caller's without its group bits, nor its owner's: a lock
+/// file its maker could not open again to write would refuse every later user); returns the
+/// caller's.
 pub fn open_umask() -> u32 {
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-    let shared = old.bits() & !0o070;
+    let shared = old.bits() & !0o770;
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
     old.bits() as u32
 }

@@ -186,12 +186,27 @@ fn planted(
         report.by_repair().add("files", Problem, detail);
         return;
     }
+    // A lend file's list of lenders is the only way to their journals of loans: carried over to a
+    // fresh one, whose loans the repair then restores. Read from a regular file only.
+    let lenders = (name.ends_with(".lend") && kind == crate::planted::HARD_LINK)
+        .then(|| dir.open_read_unchecked(name).ok())
+        .flatten();
     match dir.set_aside(name, "planted") {
         Ok(aside) => {
             let aside = path.with_file_name(aside);
             let aside = aside.display();
             let detail = format!("{shown} was {kind}, not {not}: set aside as {aside}{replaced}");
             report.add("files", Repaired, detail);
+            let carried = lenders.map(|from| {
+                let to = dir.create_file(name, 0o666)?;
+                crate::loan::carry_lenders(&from, &to)
+            });
+            if let Some(Err(e)) = carried {
+                let detail = format!(
+                    "the lenders {aside} names cannot be carried over to a new {shown}: {e}; its loans are not restored"
+                );
+                report.add("loans", Problem, detail);
+            }
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => {

@@ -891,6 +891,71 @@ fn copies_of_a_base_with_entries_lent_to_its_owner_run_at_once_faithfully() {
     );
 }
 
+/// A rebuild from a base by its owner that must lend itself owner access, with `--no-wait` (or a
+/// `--wait` that runs out) while another copy of the base holds its lend lock: it gives up before
+/// the image is emptied (exit 75, the command not run), and the image keeps its files and state.
+/// Before, the lend lock was first asked for exclusively mid-copy: the image was emptied, left
+/// `incomplete`, and the exec still said the command was skipped (75, or 0 with
+/// `--conflict-exit-code 0`).
+#[test]
+fn a_rebuild_that_gives_up_on_the_lend_lock_leaves_the_image_as_it_was() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    base_with_000_entries(&env);
+    unprivileged_build(&env, "app", "echo precious > \"$STOWAGE_IMAGE_DIR/keep\"");
+    let pause = env.tmp.path().join("c1-paused");
+    let c1 = ["exec", "--write", "c1", "--from", "base", "--", "true"];
+    let Some(c1) = unprivileged_bg(&env, &c1, Some(("clone-emptied", &pause))) else {
+        return;
+    };
+    wait_for_file(&pause);
+    let app = env.images_dir().join("app");
+    for wait in [&["--no-wait"][..], &["--wait", "0.2"]] {
+        let mut args = vec!["exec"];
+        args.extend(wait);
+        args.extend(["--write", "app", "--from", "base", "--", "true"]);
+        let out = unprivileged(&env, &args);
+        assert_eq!(code(&out), Some(75), "{wait:?}: {}", show(&out));
+        assert!(stderr(&out).contains("lend lock"), "{}", show(&out));
+        assert_eq!(fs::read_to_string(app.join("keep")).unwrap(), "precious\n");
+        let images = stdout(&unprivileged(&env, &["images"]));
+        let app_line = images
+            .lines()
+            .find(|l| l.starts_with("app "))
+            .unwrap_or_default();
+        assert!(app_line.contains("ready"), "{wait:?}: {images}");
+    }
+    fs::remove_file(&pause).unwrap();
+    let out = c1.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// A copy by the base's owner of a file of its own it may not read, setgid for a group it is not
+/// in (mode 2010, group 1): refused, naming the file and why, and the base's file keeps its
+/// setgid bit. Before, the loan of the owner's read bit (a chmod by a non-member of the file's
+/// group) cleared the setgid bit, and the mode given back lacked it for good.
+#[test]
+fn a_copy_never_lends_itself_a_file_whose_setgid_bit_a_loan_would_clear() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "base", "echo x > \"$STOWAGE_IMAGE_DIR/f\"");
+    let f = env.images_dir().join("base/f");
+    std::os::unix::fs::chown(&f, None, Some(1)).unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o2010)).unwrap();
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("base/f") && err.contains("setgid"), "{err}");
+    assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, 0o2010);
+}
+
 /// A copy by the base's owner SIGKILLed while it has an entry of mode 000
 /// lent: `doctor` says so, and `doctor --repair`, `gc`, a write of the base
 /// or the next copy of it puts the mode back (the next copy first, so it

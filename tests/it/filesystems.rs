@@ -548,6 +548,82 @@ fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
     assert_intact(&v);
 }
 
+/// The names in the tree at `dir`, sorted (one level).
+fn names_at(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// A mount deeper below an image's top (a bind mount a build left at `sub/mnt`) stops a rebuild
+/// from a base by root before anything is deleted: the image keeps its files and stays `ready`.
+/// Before, the walk that checks the tree first passed over mounts (and root skipped it), so the
+/// files beside it were deleted and the image left `incomplete`.
+#[test]
+fn a_mount_below_the_top_of_an_image_stops_its_rebuild_before_anything_is_deleted() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.build(
+        "app",
+        "cd \"$STOWAGE_IMAGE_DIR\" && echo 1 > a1 && echo 2 > a2 && mkdir -p sub/mnt",
+    );
+    let v = victim(&env);
+    let app = env.root.join("img/app");
+    let Some(_m) = Mount::at(&["--bind", v.to_str().unwrap()], &app.join("sub/mnt")) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("sub/mnt")
+            && err.contains("mount point")
+            && err.contains("nothing was deleted"),
+        "{err}"
+    );
+    assert_eq!(names_at(&app), ["a1", "a2", "sub"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_intact(&v);
+}
+
+/// Removing in place (the images directory on another filesystem than the root) an image with a
+/// mount below its top deletes nothing: refused first, the removal undone, the image `ready`.
+/// Before, the files beside the mount were deleted first.
+#[test]
+fn removing_in_place_deletes_nothing_of_an_image_with_a_mount_below_its_top() {
+    let env = Env::new();
+    let Some(tmpfs) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.build(
+        "app",
+        "cd \"$STOWAGE_IMAGE_DIR\" && echo 1 > a1 && echo 2 > a2 && mkdir -p sub/mnt",
+    );
+    let app = tmpfs.dir.join("app");
+    let v = victim(&env);
+    let Some(_m) = Mount::at(&["--bind", v.to_str().unwrap()], &app.join("sub/mnt")) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["rm", "app"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("mount point") && err.contains("nothing was deleted"),
+        "{err}"
+    );
+    assert_eq!(names_at(&app), ["a1", "a2", "sub"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_intact(&v);
+}
+
 /// A mount at an image's own directory (a bind mount a build left at `img/app`, or a filesystem
 /// of its own there) is never emptied by a rebuild from a base: the walk's check of mounts began
 /// below the top, so the mounted directory, outside the store, was emptied and the copy written

@@ -1776,6 +1776,59 @@ fn a_rebuild_refused_by_a_members_directory_leaves_the_image_as_it_was() {
     assert!(env.image("app").unwrap()["base"].is_null());
 }
 
+/// Rebuilding an image from a base when a directory of the owner's own that it may not search
+/// (mode 000, or 600) holds another member's directory: refused before anything is deleted,
+/// naming that directory; the owner's directory gets its mode back and the image keeps its files
+/// and state. Once the other member's directory is gone, the rebuild empties the owner's hidden
+/// directory. Before, the check walk did not look inside it: the files beside it were deleted,
+/// and the image left `incomplete`.
+#[test]
+fn a_rebuild_looks_inside_its_owners_unsearchable_directories_before_deleting() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    for mode in ["000", "600"] {
+        builds_as(
+            &env,
+            1001,
+            "app",
+            "cd \"$STOWAGE_IMAGE_DIR\" && rm -rf ./* && echo 1 > a1 && mkdir p && chmod 777 p && echo z > zz",
+        );
+        builds_as(
+            &env,
+            65534,
+            "app",
+            "mkdir \"$STOWAGE_IMAGE_DIR/p/q\" && echo q > \"$STOWAGE_IMAGE_DIR/p/q/f\" && chmod 755 \"$STOWAGE_IMAGE_DIR/p/q\"",
+        );
+        builds_as(
+            &env,
+            1001,
+            "app",
+            &format!("chmod {mode} \"$STOWAGE_IMAGE_DIR/p\""),
+        );
+        let p = env.root.join("img/app/p");
+        let before = fs::metadata(&p).unwrap().mode() & 0o7777;
+        let rebuild = ["exec", "--write", "app", "--from", "base", "--", "true"];
+        let (code, said) = said_by(&env, 1001, &rebuild);
+        assert_eq!(code, Some(1), "{mode}: {said}");
+        assert!(
+            said.contains("p/q")
+                && said.contains("uid 65534")
+                && said.contains("nothing was deleted"),
+            "{mode}: {said}"
+        );
+        assert_eq!(said.lines().count(), 1, "{said}");
+        assert_eq!(names_in(&env, "app"), ["a1", "p", "zz"], "{mode}");
+        assert_eq!(fs::metadata(&p).unwrap().mode() & 0o7777, before, "{mode}");
+        assert_eq!(env.state("app").as_deref(), Some("ready"), "{mode}");
+        fs::remove_dir_all(p.join("q")).unwrap();
+        let (code, said) = said_by(&env, 1001, &rebuild);
+        assert_eq!(code, Some(0), "{mode}: {said}");
+        assert_eq!(names_in(&env, "app"), ["b"], "{mode}");
+    }
+}
+
 /// The mode of `p`'s permission bits (a group store's directories are setgid besides).
 fn mode_of(p: &Path) -> u32 {
     fs::symlink_metadata(p).unwrap().mode() & 0o777
@@ -1914,6 +1967,154 @@ fn a_journal_of_loans_planted_for_a_lender_is_refused_not_followed() {
             "{case}"
         );
     }
+}
+
+/// A copy by uid 1001 killed while it has `B/sec` of the base lent, `B` being another member's
+/// directory that member then makes unsearchable: 1001's next copy cannot put the mode back, says
+/// so naming the entry, and keeps the loan journaled (its uid in the lend file); once `B` is
+/// searchable again, the next copy puts the mode back. Before, the loan was dropped from the
+/// journal as if it were none: the mode stayed lent for good, and nothing reported it.
+#[test]
+fn a_loan_its_lender_cannot_reach_stays_journaled_until_it_can() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "true");
+    builds_as(&env, 65534, "base", "mkdir -m 777 \"$STOWAGE_IMAGE_DIR/B\"");
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && echo s > B/sec && chmod 000 B/sec",
+    );
+    let b = env.root.join("img/base/B");
+    let sec = b.join("sec");
+    fs::set_permissions(&b, fs::Permissions::from_mode(0o755)).unwrap();
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    assert_eq!(mode_of(&sec), 0o400, "lent");
+    fs::set_permissions(&b, fs::Permissions::from_mode(0o700)).unwrap();
+    let copy = |t| ["exec", "--write", t, "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &copy("k2"));
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("B/sec") && said.contains("stays journaled"),
+        "{said}"
+    );
+    let lend = env.root.join("locks/images/base.lend");
+    assert_eq!(fs::read_to_string(&lend).unwrap(), "1001\n");
+    fs::set_permissions(&b, fs::Permissions::from_mode(0o755)).unwrap();
+    let (code, said) = said_by(&env, 1001, &copy("k3"));
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(mode_of(&sec), 0, "given back");
+}
+
+/// A member whose umask masks its own bits (0277) writes and copies images of a group store: the
+/// lock and lend files it makes keep the owner's read and write, so its copy that lends, and every
+/// later command, may reopen them. Before, they were made mode 460: the copy failed part-way
+/// taking the lend lock exclusively, and every later command was refused until a repair.
+#[test]
+fn a_members_umask_that_masks_its_own_bits_leaves_its_lock_files_usable() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let script = "cd \"$STOWAGE_IMAGE_DIR\" && umask 022 && mkdir a && echo x > a/f && chmod 000 a";
+    for args in [
+        &["exec", "--write", "base", "--", "sh", "-c", script][..],
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+        &["exec", "--write", "c", "--from", "base", "--", "true"],
+    ] {
+        let out = as_ids(&env, 1001, &[GID], "0277", args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    for name in ["base.lock", "base.lend", "c.lock"] {
+        let mode = mode_of(&env.root.join("locks/images").join(name));
+        assert_eq!(mode & 0o660, 0o660, "{name}: {mode:o}");
+    }
+}
+
+/// A copy by uid 1001 killed with a directory of the base lent, then another member gives the
+/// lend file a second name: root's `doctor --repair` sets it aside, and still puts the mode back
+/// (the lenders it names carried over to a fresh lend file). Before, the list of lenders went with
+/// the file set aside: the mode stayed lent for good, and nothing reported it.
+#[test]
+fn a_lend_file_set_aside_for_a_second_name_keeps_its_lenders() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    assert_eq!(mode_of(&a), 0o500, "lent");
+    let lend = env.root.join("locks/images/base.lend");
+    // As a member may (group-writable), made here by root: the doctor sees a second name.
+    fs::hard_link(&lend, env.tmp.path().join("other-name")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("set aside"), "{}", show(&out));
+    assert_eq!(mode_of(&a), 0, "given back");
+    let out = env.run(["doctor"]);
+    assert!(!stdout(&out).contains("loans"), "{}", show(&out));
+}
+
+/// A copy by uid 1001 killed with a directory of the base lent, then its uid taken out of the
+/// lend file (as an older release's gc or repair rewrites it, keeping only its own lines; or any
+/// member, who may write it): doctor still reports the loan, and the next copy puts the mode back
+/// before copying (the copy faithful), as `doctor --repair` does. Before, the journal was reached
+/// only through the lend file: the mode stayed lent for good, and nothing reported it.
+#[test]
+fn a_loan_whose_lender_the_lend_file_no_longer_names_is_still_restored() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
+    );
+    let a = env.root.join("img/base/a");
+    let lend = env.root.join("locks/images/base.lend");
+    let kill_lending = |t: &str| {
+        let bg = paused_as(
+            &env,
+            1001,
+            &["--write", t, "--from", "base"],
+            "clone-copying",
+        );
+        bg.kill_all();
+        // Its pause's directory, made anew by the next.
+        fs::remove_dir_all(env.tmp.path().join("pauses-1001")).unwrap();
+        assert_eq!(mode_of(&a), 0o500, "lent");
+        fs::write(&lend, "").unwrap();
+    };
+    kill_lending("k1");
+    let out = env.run(["doctor"]);
+    assert!(stdout(&out).contains("loans"), "{}", show(&out));
+    let copy = ["exec", "--write", "c", "--from", "base", "--", "true"];
+    let (code, said) = said_by(&env, 1001, &copy);
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(mode_of(&a), 0, "given back by the next copy");
+    assert_eq!(mode_of(&env.root.join("img/c/a")), 0, "copied as it was");
+    kill_lending("k2");
+    let out = env.run(["doctor", "--repair"]);
+    assert!(stdout(&out).contains("restored"), "{}", show(&out));
+    assert_eq!(mode_of(&a), 0, "given back by the repair");
 }
 
 /// A lend file another member made that uid 1001 may not write (mode 644,
@@ -2192,6 +2393,47 @@ fn a_loan_an_older_release_left_in_the_lend_file_is_kept_and_reported() {
     fs::write(&lend, "").unwrap();
     let out = env.run(["doctor"]);
     assert!(!stdout(&out).contains("loans"), "{}", show(&out));
+}
+
+/// Plain `doctor` promises no restore a repair would not make: with an older release's loan line
+/// in the lend file, it names the line as not acted on; with another member's loan left, run by a
+/// member who cannot restore it, it names the uid who must. Before, both said "the next copy of
+/// each, 'stowage gc' or 'stowage doctor --repair' restores them", which never happened.
+#[test]
+fn plain_doctor_promises_no_restore_the_repair_would_not_make() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(
+        &env,
+        1001,
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir -p a/b && echo x > a/b/f && chmod 000 a/b/f",
+    );
+    let copy = ["exec", "--write", "c0", "--from", "base", "--", "true"];
+    assert_eq!(said_by(&env, 1001, &copy).0, Some(0), "makes the lend file");
+    let f = lend_the_old_way(&env);
+    let out = env.run(["doctor"]);
+    let said = stdout(&out);
+    assert!(
+        said.contains("older release") && !said.contains("restores them"),
+        "{}",
+        show(&out)
+    );
+    fs::write(env.root.join("locks/images/base.lend"), "").unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o000)).unwrap();
+    let bg = paused_as(
+        &env,
+        1001,
+        &["--write", "k", "--from", "base"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    let (_, said) = said_by(&env, 65534, &["doctor"]);
+    assert!(
+        said.contains("uid 1001") && !said.contains("restores them"),
+        "{said}"
+    );
 }
 
 /// Gives `dir` the default ACL `spec` (`setfacl -d -m`); false, said, where this machine has no
