@@ -373,10 +373,11 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
         && the_originals(root, config, images, dir).is_none()
 }
 
-/// Whether `images` carries this store's claim: it was judged when the store took it (`init`).
-pub fn claimed_by_us(root: &Root, config: &Config, images: &Dir) -> bool {
-    let mine = my_claim(root, config).ok();
-    crate::claim::read(images).is_some_and(|c| mine.is_some_and(|m| c.same_store(&m)))
+/// Whether `images` could carry a claim and carries none: a directory no store took (`init`
+/// judges one when it takes it), or one whose claim was lost. A filesystem without extended
+/// attributes keeps none, so there it says nothing.
+pub fn claimable_unclaimed(images: &Dir) -> bool {
+    matches!(crate::claim::read_fd(images), Ok(None))
 }
 
 /// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs. An

@@ -16,6 +16,17 @@ pub fn not_for_images(dir: &Path, contents: bool) -> Option<String> {
         .find_map(|d| no_images_dir(d, contents))
 }
 
+/// [`not_for_images`] of a directory a store's configuration names but the store never claimed:
+/// by its path, and by what no store's images directory holds (a system tree, a builder's
+/// storage). Loose files are left out: an images directory in use may have gathered some.
+pub fn not_for_images_kept(dir: &Path) -> Option<String> {
+    [lexical(dir), resolved(dir)].iter().find_map(|d| {
+        no_images_dir(d, false)
+            .or_else(|| like_the_system(d).map(|held| format!("a system tree (it holds {held})")))
+            .or_else(|| charliecloud_storage(d).then(|| "a Charliecloud storage directory".into()))
+    })
+}
+
 /// Why `dir` (absolute, without `.` or `..`) is no images directory, if so: by its path, and with
 /// `contents` by what it holds (an images directory holds image trees only).
 fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {

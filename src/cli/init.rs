@@ -56,12 +56,18 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_another_stores(root, dir)?;
         refuse_nesting(root, dir, taken.is_some())?;
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
-        // What it holds is judged until the store takes it (its claim): store.conf may name it
-        // by a hand's edit or a copy, and the trees there are adopted next.
+        refuse_what_is_no_images_dir(&dir, false)?;
+        // Unclaimed, what it holds is judged too: store.conf may name it by a hand's edit or a
+        // copy, and the trees there are adopted next.
         let opened = root.open_images_dir(&dir).ok();
-        let claimed = (config.as_ref().zip(opened.as_ref()))
-            .is_some_and(|(c, d)| crate::images_dir::claimed_by_us(root, c, d));
-        refuse_what_is_no_images_dir(&dir, !claimed)?;
+        if opened.is_some_and(|d| crate::images_dir::claimable_unclaimed(&d))
+            && let Some(what) = system_dirs::not_for_images_kept(&dir)
+        {
+            bail!(
+                "refusing {} as the images directory: it is {what}",
+                dir.display()
+            );
+        }
     }
     store.root().refuse_planted_layout()?;
     refuse_what_is_no_root(store.root())?;

@@ -818,19 +818,19 @@ fn outside_images_dir(
     }
 }
 
-/// Whether the external images directory `images` (at `dir`), one the store never took (no claim
-/// of its), is no images directory as `init` judges it: nothing there is claimed or adopted then
-/// (store.conf may name it by a hand's edit or a copy; an adopted tree is one gc from deletion).
-fn no_images_dir(
-    root: &Root,
-    config: &Config,
-    (images, dir): (&Dir, &Path),
-    report: &mut Report,
-) -> bool {
-    if dir == root.default_images_dir() || crate::images_dir::claimed_by_us(root, config, images) {
+/// Whether the external images directory `images` (at `dir`) is no images directory as `init`
+/// judges one (by its path; unclaimed, by what it holds too): nothing there is claimed or adopted
+/// then (store.conf may name it by a hand's edit or a copy; an adopted tree is one gc from
+/// deletion). Reported.
+fn no_images_dir(root: &Root, (images, dir): (&Dir, &Path), report: &mut Report) -> bool {
+    if dir == root.default_images_dir() {
         return false;
     }
-    let Some(what) = crate::system_dirs::not_for_images(dir, true) else {
+    let what = match crate::images_dir::claimable_unclaimed(images) {
+        true => crate::system_dirs::not_for_images_kept(dir),
+        false => crate::system_dirs::not_for_images(dir, false),
+    };
+    let Some(what) = what else {
         return false;
     };
     report.add("images", Problem, format!("images directory {} is {what}: nothing there is claimed or adopted; name the right one with '{STOWAGE} init --images-dir DIR'", dir.display()));
@@ -851,10 +851,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let unrecorded = repair && config.identity.is_none();
     let images =
         crate::images_dir::confirmed(&root, &dir, root.open_or_make_images_dir(&dir, unrecorded))?;
-    if no_images_dir(&root, &config, (&images, &dir), report) {
-        return Ok(());
+    let unfit = no_images_dir(&root, (&images, &dir), report);
+    if !unfit {
+        claim(&root, &config, &images, repair, report);
     }
-    claim(&root, &config, &images, repair, report);
     if dir != root.default_images_dir() {
         outside_images_dir(&root, (&images, &dir), repair, report);
     }
@@ -910,6 +910,9 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     orphans
         .trees
         .retain(|(n, _)| !adopt::has_record(&root.image_lock(n)));
+    if unfit {
+        return Ok(());
+    }
     orphan_trees(store, &config, &orphans, dir.display(), repair, report)
 }
 

@@ -1353,3 +1353,33 @@ fn a_cloned_xfs_mounted_beside_its_original_is_a_copy_of_the_store() {
     drop(hide);
     env.ok(["exec", "--write", "base", "--", "true"]);
 }
+
+/// An images directory on a filesystem that keeps no extended attributes
+/// (ramfs here; NFSv3) can never carry the store's claim: it is judged by
+/// its path only, never by what it holds. Images named as a system tree's
+/// directories and a stray file there made a plain `init` refuse the store
+/// and `doctor` skip every check of records against trees.
+#[test]
+fn an_images_directory_without_extended_attributes_is_judged_by_its_path_only() {
+    if !root_or_skip("mounting a ramfs") {
+        return;
+    }
+    let env = Env::new();
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let Some(_m) = Mount::at(&["-t", "ramfs", "ramfs"], &images) else {
+        eprintln!("skipping: cannot mount a ramfs here");
+        return;
+    };
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    for name in ["bin", "lib", "app"] {
+        env.make_image(name);
+    }
+    fs::write(images.join("notes.txt"), "kept").unwrap();
+    env.ok(["init"]);
+    env.ok(["doctor"]);
+    fs::remove_dir_all(images.join("app")).unwrap();
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("'app'"), "{}", show(&out));
+}
