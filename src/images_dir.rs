@@ -313,8 +313,8 @@ pub fn tree_there(root: &Root, dir: &Path, encoded: &str) -> Option<bool> {
 /// file holds no record (hints aside) and no unlinker's mark, while a directory is at its name.
 /// stowage writes a record before it makes a tree, and marks a file before unlinking it; a write
 /// refused on a directory planted there (or killed before its record) looks the same, so it is
-/// said as likely, never acted on. `None`: the images directory cannot tell (unmounted), so a
-/// lock file is kept. Asked only where a command found no record, before it says so.
+/// said as likely, never acted on. `None`: the images directory cannot tell (unmounted): no
+/// evidence. Asked only where a command found no record, before it says so.
 pub fn record_erased(root: &Root, name: &ImageName) -> Option<bool> {
     let lock = crate::lock::open_existing_read(&root.image_lock(name));
     let Ok(Some(lock)) = lock else {

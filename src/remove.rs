@@ -66,7 +66,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let Some(before) = held.seen.record.clone().or(unknown) else {
         // The file (perhaps made by the very lock taken) names nothing. One a shell's `>` emptied
         // stays: it is the evidence `doctor` names the cause by.
-        if crate::images_dir::record_erased(root, &held.name) == Some(false) {
+        if crate::images_dir::record_erased(root, &held.name) != Some(true) {
             let _ = root.unlink_lock(held.guard);
             root.unlink_gate(&held.name);
         }
@@ -577,7 +577,7 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
     let mut shared = Vec::new();
     for h in held {
         // One a shell's `>` may have emptied stays, as evidence (see `remove_held`).
-        if !h.seen.unrecorded() || crate::images_dir::record_erased(root, &h.name) != Some(false) {
+        if !h.seen.unrecorded() || crate::images_dir::record_erased(root, &h.name) == Some(true) {
             continue;
         }
         if h.guard.mode() == Mode::Exclusive {

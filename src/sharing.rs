@@ -181,12 +181,12 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
         .into_iter()
         .filter(|(rel, _)| !being_written(root, rel))
         .filter_map(|(rel, dir)| {
-            // Missing, or not of its kind (a link; a FIFO, socket or device, or a file with other
-            // names, where a file is kept): no part. Planted, it is `doctor`'s files check's.
+            // Missing, or not of its kind (a link; a FIFO, socket or device where a file is kept):
+            // no part. Planted, it is `doctor`'s files check's.
             let part = open_part(root, &rel, libc::O_PATH)?;
             let kind = |m: &std::fs::Metadata| match dir {
                 true => m.is_dir(),
-                false => m.file_type().is_file() && m.nlink() == 1,
+                false => m.file_type().is_file(),
             };
             let m = part.metadata().ok().filter(kind)?;
             let path = fd_path(part.as_fd());

@@ -57,17 +57,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_nesting(root, dir, taken.is_some())?;
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
         refuse_what_is_no_images_dir(&dir, false)?;
-        // Unclaimed, what it holds is judged too: store.conf may name it by a hand's edit or a
-        // copy, and the trees there are adopted next.
-        let opened = root.open_images_dir(&dir).ok();
-        if opened.is_some_and(|d| crate::images_dir::claimable_unclaimed(&d))
-            && let Some(what) = system_dirs::not_for_images_kept(&dir)
-        {
-            bail!(
-                "refusing {} as the images directory: it is {what}",
-                dir.display()
-            );
-        }
+        refuse_unclaimed(root, &dir)?;
     }
     store.root().refuse_planted_layout()?;
     refuse_what_is_no_root(store.root())?;
@@ -280,6 +270,22 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
         );
     }
     refuse_overlap(root.dir(), dir)
+}
+
+/// Refuses the configured images directory `dir` if it carries no claim (where one could be
+/// kept) and holds what no images directory holds: store.conf may name it by a hand's edit or a
+/// copy, and the trees there are adopted next.
+fn refuse_unclaimed(root: &Root, dir: &Path) -> Result<()> {
+    let opened = root.open_images_dir(dir).ok();
+    if opened.is_some_and(|d| crate::images_dir::claimable_unclaimed(&d))
+        && let Some(what) = system_dirs::not_for_images_kept(dir)
+    {
+        bail!(
+            "refusing {} as the images directory: it is {what}",
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// Refuses a directory that is no images directory (`system_dirs::not_for_images`).

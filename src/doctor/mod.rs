@@ -64,6 +64,10 @@ pub struct Report {
     /// Whether a problem found is one `--repair` puts right: only then is the user sent to it.
     #[serde(skip)]
     pub repairable: bool,
+    /// Parts of a group store whose modes a repair could not fix, judged again once the later
+    /// checks ran (one planted was set aside, or rewritten, since): (path in the root, why).
+    #[serde(skip)]
+    unfixed_parts: Vec<(String, String)>,
 }
 
 impl Report {
@@ -181,6 +185,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         healthy: true,
         checks: Vec::new(),
         repairable: false,
+        unfixed_parts: Vec::new(),
     };
     if let Some(f) = &fs_info {
         let polls = crate::filesystem::filesystem(root.dir()).is_ok_and(|f| lock::polls(&f));
@@ -194,6 +199,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         report.add("filesystem", Info, format!("{} ({kind})", f.name));
     }
     let complete = checks(store, &root, repair, &mut report)?;
+    parts_left_unfixed(&root, &mut report);
     report.healthy = complete && !report.checks.iter().any(|c| c.status == Problem);
     Ok(report)
 }
@@ -367,7 +373,25 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     }
     for (w, e) in &done.failed {
         let detail = format!("cannot fix {}: {e}", w.describe());
-        report.add("sharing", Problem, detail);
+        report.unfixed_parts.push((w.rel.clone(), detail));
+    }
+}
+
+/// Says the parts the group-modes repair could not fix that are wrong still, once every other
+/// check ran: a FIFO or a hard link planted at a part's place was set aside since, and the part
+/// made anew, by the files and configuration checks.
+fn parts_left_unfixed(root: &Root, report: &mut Report) {
+    let Some((gid, _)) = crate::sharing::is_group_store(root.dir()) else {
+        return;
+    };
+    if report.unfixed_parts.is_empty() {
+        return;
+    }
+    let wrong = crate::sharing::check(root, gid);
+    for (rel, detail) in std::mem::take(&mut report.unfixed_parts) {
+        if wrong.iter().any(|w| w.rel == rel) {
+            report.add("sharing", Problem, detail);
+        }
     }
 }
 

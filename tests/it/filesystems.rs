@@ -468,39 +468,6 @@ fn a_mount_inside_an_image_stops_its_deletion() {
     assert_intact(&v);
 }
 
-/// An erased record's empty lock file is kept while the images directory is
-/// not mounted (whether its tree is there cannot be told): a read unlinked
-/// it, so the cause could not be named once the directory was back.
-#[test]
-fn an_erased_record_is_kept_while_the_images_directory_is_unmounted() {
-    let env = Env::new();
-    let Some(tmpfs) = env.init_on_tmpfs() else {
-        return;
-    };
-    env.make_image("x");
-    let lock = env.lock_file("x");
-    fs::File::create(&lock).unwrap();
-    let images = tmpfs.dir.clone();
-    let (away, m) = unmount_aside(&env, tmpfs);
-    let out = env.run(["exec", "--read", "x", "--", "true"]);
-    assert_eq!(code(&out), Some(66), "{}", show(&out));
-    assert!(lock.exists(), "the empty lock file went");
-    let back = Command::new("mount")
-        .arg("--move")
-        .arg(&away)
-        .arg(&images)
-        .status();
-    assert!(back.is_ok_and(|s| s.success()));
-    std::mem::forget(m);
-    let _back = Mount::adopt(&images);
-    let out = env.run(["exec", "--read", "x", "--", "true"]);
-    assert!(
-        stderr(&out).contains("likely erased its record"),
-        "{}",
-        show(&out)
-    );
-}
-
 #[test]
 fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
     let env = Env::new();
