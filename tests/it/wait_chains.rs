@@ -445,3 +445,58 @@ fn why_of_a_waiter_in_a_child_pid_namespace_follows_its_chain() {
     assert_eq!(holder.finish().status.code(), Some(0));
     assert_eq!(contained.finish().status.code(), Some(0));
 }
+
+/// The cycle through nested calls (the build's shell replaced by them),
+/// after one enclosing exec was SIGKILLed: its nested call holds that exec's image through the inherited
+/// descriptor and still waits, so the deadlock stays. `--why` names the
+/// cycle and that nested call by its pid, not a process "stowage cannot
+/// identify" on the hosts sharing the store.
+#[test]
+fn why_names_a_cycle_kept_by_a_nested_call_whose_exec_was_killed() {
+    let env = Env::new();
+    let script = |mine: &str, other: &str, theirs: &str| {
+        format!(
+            "touch '{m}'; while [ ! -e '{o}' ]; do sleep 0.01; done; exec '{bin}' exec --write {theirs} --wait 60 -- true",
+            m = env.sentinel(mine).display(),
+            o = env.sentinel(other).display(),
+            bin = bin(),
+        )
+    };
+    let mut one = env.spawn([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &script("one", "two", "b"),
+    ]);
+    let two = env.spawn([
+        "exec",
+        "--write",
+        "b",
+        "--",
+        "sh",
+        "-c",
+        &script("two", "one", "a"),
+    ]);
+    wait_for_file(&env.sentinel("one"));
+    wait_for_file(&env.sentinel("two"));
+    env.wait_for_waiter("a");
+    env.wait_for_waiter("b");
+    let nested = env.lock_entry("b").unwrap()["waiters"][0]["pid"].clone();
+    one.signal(libc::SIGKILL);
+    let _ = one.child.as_mut().unwrap().wait();
+
+    let doc = why(&env, "a");
+    let chain = &doc["chains"][0];
+    assert_eq!(chain["cycle"], true, "{doc:#}");
+    let steps = chain["steps"].as_array().unwrap();
+    assert_eq!(steps[1]["relation"], "holder", "{doc:#}");
+    assert_eq!(steps[1]["pid"], nested, "a's holder, kept: {doc:#}");
+    assert_eq!(steps[1]["kept"], true, "{doc:#}");
+    let text = stdout(&env.ok(["lock-status", "--why", "a"]));
+    assert!(text.contains("a cycle"), "{text}");
+    one.kill_all();
+    two.kill_all();
+}
