@@ -1037,6 +1037,9 @@ fn describe(p: &Party) -> String {
         Some(Stopped::ByTracer) => s.push_str(", stopped by its tracer (a debugger)"),
         None => {}
     }
+    if unverifiable(p) {
+        s.push_str(", or the command it ran if that exec has ended (not seen from here)");
+    }
     match p.stowage {
         _ if p.kept => s.push_str(", which kept it after the exec that took it ended"),
         Some(true) => {}
@@ -1044,6 +1047,13 @@ fn describe(p: &Party) -> String {
         _ => s.push_str(" that stowage cannot identify (outside stowage, or on another host)"),
     }
     s
+}
+
+/// Whether `p` is an exec named by the pid its lease gives, in another pid namespace of this host:
+/// neither the table nor /proc shows that pid here, so that exec may have ended while the command
+/// it ran keeps its locks (and its lease, which then still probes alive).
+pub fn unverifiable(p: &Party) -> bool {
+    p.pid_space == PidSpace::OtherNamespace && p.stowage == Some(true) && !p.kept
 }
 
 /// "pid 4121 on node07": the pid, else `nobody`; the host unless `here`; with `ns`, whether the pid

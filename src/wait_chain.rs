@@ -358,6 +358,9 @@ fn kill(p: &Party) -> String {
         return String::new();
     };
     match (p.pid_space, &p.host) {
+        (PidSpace::OtherNamespace, _) if crate::holders::unverifiable(p) => format!(
+            ": in the pid namespace it runs in, kill {pid} (if that exec has ended, the command it ran)"
+        ),
         (PidSpace::OtherNamespace, _) => format!(": in the pid namespace it runs in, kill {pid}"),
         // Our namespace's pid, whatever host name (a local container with its own UTS namespace).
         (PidSpace::Here, _) => format!(": kill {pid}"),
