@@ -147,8 +147,8 @@ pub struct LockReport {
     pub slot: Option<(u32, u32, u32)>,
 }
 
-/// Files by the lock table's key: (device, inode).
-type FileKeys = Vec<(u64, u64)>;
+/// Files by the lock table's key (device, inode), each with the pid that took its flock.
+type FileKeys = Vec<crate::kernel::Taken>;
 
 /// A lease's name and what it says.
 type Leased = (String, Identity);
@@ -490,11 +490,22 @@ impl<'c> Look<'c> {
     /// process has the pid, `None` if that cannot be told (another user's process, no table). Each
     /// pid's fds are read once per look.
     fn pid_holds(&self, pid: u32, key: (u64, u64)) -> Option<bool> {
+        self.fd_flocks(pid, |held| held.iter().any(|(k, _)| *k == key))
+    }
+
+    /// Whether local process `pid` holds the file `key` through the very lock `taker` took, not one
+    /// of its own: it inherited the descriptor (a nested exec, its enclosing exec gone).
+    fn inherits_from(&self, pid: u32, key: (u64, u64), taker: u32) -> bool {
+        pid != taker && self.fd_flocks(pid, |held| held.contains(&(key, Some(taker)))) == Some(true)
+    }
+
+    /// `f` of what local process `pid` flocks through its own fds, read once per look.
+    fn fd_flocks<T>(&self, pid: u32, f: impl FnOnce(&FileKeys) -> T) -> Option<T> {
         let mut cache = self.fd_locks.borrow_mut();
         let held = cache
             .entry(pid)
             .or_insert_with(|| crate::kernel::locks_through_own_fds(pid));
-        held.as_ref().map(|h| h.contains(&key))
+        held.as_ref().map(f)
     }
 
     fn entries(&self, path: &Path) -> Option<Vec<Entry>> {
@@ -709,7 +720,8 @@ impl<'c> Look<'c> {
         let kept = self.kept_by(path, e).into_iter().map(|p| Party {
             kept: true,
             stowage: Some(true),
-            lease: Some(n.to_owned()),
+            // A nested exec that kept it is named by its own lease (what it waits for says so).
+            lease: p.lease.clone().or_else(|| Some(n.to_owned())),
             since: Some(h.since),
             reading: h.reading,
             ..p
@@ -728,9 +740,18 @@ impl<'c> Look<'c> {
         let pids = crate::ident::numbered::<u32>("/proc").into_iter().flatten();
         let pids = pids.map(|(p, _)| p).filter(holds);
         let pids: Vec<(u32, bool)> = pids.filter_map(|p| Some((p, is_stowage(p)?))).collect();
+        // A stowage process holding the very lock `e`'s pid took inherited it (a nested exec whose
+        // enclosing exec ended): its lease never lists it, so it is named here, as a command is.
+        let nested = |p: u32| e.pid.is_some_and(|t| self.inherits_from(p, key, t));
         let (stowage, others): (Vec<u32>, Vec<u32>) = (
-            pids.iter().filter(|(_, s)| *s).map(|(p, _)| *p).collect(),
-            pids.iter().filter(|(_, s)| !*s).map(|(p, _)| *p).collect(),
+            pids.iter()
+                .filter(|(p, s)| *s && !nested(*p))
+                .map(|(p, _)| *p)
+                .collect(),
+            pids.iter()
+                .filter(|(p, s)| !*s || nested(*p))
+                .map(|(p, _)| *p)
+                .collect(),
         );
         // A stowage process with no live lease may be one about to make it: none named. One with a
         // lease is named by it (its listing of this lock may come a moment later).
@@ -747,9 +768,12 @@ impl<'c> Look<'c> {
         // Read while it exits (its memory gone before its descriptors: a host's crash), a process
         // shows no environment, so no lease: a holder no more, not one outside stowage.
         let party = |pid| {
-            let kept = started_by_an_ended_exec(&self.leases_dir, pid);
+            let nested = pids.contains(&(pid, true));
+            let kept = nested || started_by_an_ended_exec(&self.leases_dir, pid);
             let party = Party {
                 kept,
+                stowage: Some(nested),
+                lease: nested.then(|| self.lease_owned_by(pid)).flatten(),
                 ..Party::outsider(
                     self.ctx,
                     &Entry {
@@ -772,10 +796,17 @@ impl<'c> Look<'c> {
 
     /// Whether local process `pid` owns a live lease (read with the look, or made since).
     fn has_lease(&self, pid: u32) -> bool {
-        self.said.iter().chain(self.later()).any(|(n, id)| {
+        self.lease_owned_by(pid).is_some()
+    }
+
+    /// The live lease local process `pid` owns (read with the look, or made since), if any.
+    fn lease_owned_by(&self, pid: u32) -> Option<String> {
+        let owns = |(n, id): &&Leased| {
             (self.taker(id) == Some(pid) || id.pid == Some(pid) && id.pid_is_ours())
                 && self.alive(n)
-        })
+        };
+        let found = self.said.iter().chain(self.later()).find(owns);
+        found.map(|(n, _)| n.clone())
     }
 
     /// Held, and no lease read before said so: the leases are read again, a few times a moment
@@ -1006,6 +1037,9 @@ fn describe(p: &Party) -> String {
         Some(Stopped::ByTracer) => s.push_str(", stopped by its tracer (a debugger)"),
         None => {}
     }
+    if unverifiable(p) {
+        s.push_str(", or the command it ran if that exec has ended (not seen from here)");
+    }
     match p.stowage {
         _ if p.kept => s.push_str(", which kept it after the exec that took it ended"),
         Some(true) => {}
@@ -1013,6 +1047,13 @@ fn describe(p: &Party) -> String {
         _ => s.push_str(" that stowage cannot identify (outside stowage, or on another host)"),
     }
     s
+}
+
+/// Whether `p` is an exec named by the pid its lease gives, in another pid namespace of this host:
+/// neither the table nor /proc shows that pid here, so that exec may have ended while the command
+/// it ran keeps its locks (and its lease, which then still probes alive).
+pub fn unverifiable(p: &Party) -> bool {
+    p.pid_space == PidSpace::OtherNamespace && p.stowage == Some(true) && !p.kept
 }
 
 /// "pid 4121 on node07": the pid, else `nobody`; the host unless `here`; with `ns`, whether the pid

@@ -48,6 +48,17 @@ fn fdinfo_flocks(info: &str) -> impl Iterator<Item = ((u64, u64), Mode)> + '_ {
         .map(|(key, e)| (key, e.mode))
 }
 
+/// A flocked file by the lock table's key (device, inode), and the pid that took its lock.
+pub type Taken = ((u64, u64), Option<u32>);
+
+/// The flocks held, not awaited, in an fdinfo text, each with the pid that took it.
+fn fdinfo_takers(info: &str) -> impl Iterator<Item = Taken> + '_ {
+    info.lines()
+        .filter_map(|l| parse_line(l.strip_prefix("lock:")?))
+        .filter(|(_, e)| !e.blocked)
+        .map(|(key, e)| (key, e.pid))
+}
+
 /// The descriptors this process was started with (noted by [`note_inherited`]).
 static INHERITED: OnceLock<Vec<RawFd>> = OnceLock::new();
 
@@ -89,10 +100,11 @@ fn fd_flock(fd: RawFd) -> Option<Mode> {
     fdinfo_flocks(&info).map(|(_, mode)| mode).max()
 }
 
-/// The files (device, inode) local process `pid` flocks through its own fds (the table names the
-/// pid that took a lock, maybe another's since). Empty if no process has the pid, `None` if its
-/// fds are unreadable. No `stat` (it waits on a hung FUSE or NFS mount).
-pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
+/// The files (device, inode) local process `pid` flocks through its own fds, each with the pid that
+/// took the lock (the table names that one, maybe another's since: an inheritor holds it on).
+/// Empty if no process has the pid, `None` if its fds are unreadable. No `stat` (it waits on a
+/// hung FUSE or NFS mount).
+pub fn locks_through_own_fds(pid: u32) -> Option<Vec<Taken>> {
     let fds = match fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(fds) => fds,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(Vec::new()),
@@ -108,7 +120,7 @@ pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
         }
         let info = format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy());
         match fs::read_to_string(info) {
-            Ok(info) => held.extend(fdinfo_flocks(&info).map(|(key, _)| key)),
+            Ok(info) => held.extend(fdinfo_takers(&info)),
             // Closed since the listing.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(_) => return None,

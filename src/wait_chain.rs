@@ -155,8 +155,8 @@ impl Graph {
             .collect()
     }
 
-    /// The waiter that is local process `pid`, runs inside it (a holder in `reports`), or it runs
-    /// inside (a build's pid).
+    /// The waiter that is local process `pid`, runs inside it (a holder in `reports`, or any
+    /// process: the command an exec runs, whose nested call waits), or it runs inside (a build's).
     pub fn waiter_for_pid(&self, pid: u32, reports: &[LockReport]) -> Option<Party> {
         let local = |p: &&Party| p.pid == Some(pid) && self.is_local(p);
         if let Some(w) = self.waiters.iter().find(local) {
@@ -168,16 +168,20 @@ impl Graph {
             return Some(w);
         }
         let above = crate::nested::ancestors_of(pid);
-        self.waiters
-            .iter()
-            .find(|p| self.is_local(p) && p.pid.is_some_and(|q| above.contains(&q)))
-            .cloned()
+        let local_waiters = self.waiters.iter().filter(|p| self.is_local(p));
+        let mut pids = local_waiters.filter_map(|p| Some((p, p.pid?)));
+        let found = pids.clone().find(|(_, q)| above.contains(q));
+        let found =
+            found.or_else(|| pids.find(|(_, q)| crate::nested::ancestors_of(*q).contains(&pid)));
+        found.map(|(p, _)| p.clone())
     }
 
-    /// Whether `p`'s pid names a process of this host and pid namespace.
+    /// Whether `p`'s pid names a process of this pid namespace (the table's pid, or a lease's pid
+    /// of it: a waiter in a child namespace is named by the pid the table shows us).
     fn is_local(&self, p: &Party) -> bool {
+        let ours = |l: &String| self.ours.contains(l) || p.pid_space == PidSpace::Here;
         match &p.lease {
-            Some(l) => self.ours.contains(l),
+            Some(l) => ours(l),
             None => p.pid.is_some() && p.host.as_deref() == Some(self.host.as_str()),
         }
     }
@@ -354,6 +358,9 @@ fn kill(p: &Party) -> String {
         return String::new();
     };
     match (p.pid_space, &p.host) {
+        (PidSpace::OtherNamespace, _) if crate::holders::unverifiable(p) => format!(
+            ": in the pid namespace it runs in, kill {pid} (if that exec has ended, the command it ran)"
+        ),
         (PidSpace::OtherNamespace, _) => format!(": in the pid namespace it runs in, kill {pid}"),
         // Our namespace's pid, whatever host name (a local container with its own UTS namespace).
         (PidSpace::Here, _) => format!(": kill {pid}"),

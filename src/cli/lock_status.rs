@@ -134,7 +134,11 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
         } else {
             l.name.clone()
         };
-        let held = l.holders.iter().map(|p| format!("held: {}", party(p)));
+        let held = l.holders.iter().map(|p| {
+            let or = crate::holders::unverifiable(p)
+                .then_some(" [or the command it ran, if that exec has ended: not seen from here]");
+            format!("held: {}{}", party(p), or.unwrap_or_default())
+        });
         let waiting = l.waiters.iter().map(|p| format!("waiting: {}", party(p)));
         let queued = l.queued.iter().map(|p| format!("queued: {}", party(p)));
         let mut who = held.chain(waiting).chain(queued);

@@ -241,10 +241,31 @@ fn erased_record(root: &Root, e: anyhow::Error) -> anyhow::Error {
     }
 }
 
+/// Whether standard output was closed when the process started ([`note_closed_stdout`]).
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Notes whether standard output is closed, before the Rust runtime puts /dev/null in its place
+/// (then every write would succeed, and a report be lost without a word, a `--watch` never end).
+/// Run from `.init_array`, as the C library does before `main`: no allocation, no panic.
+extern "C" fn note_closed_stdout() {
+    // SAFETY: F_GETFD reads a descriptor's flags; it touches no memory of ours.
+    let closed = unsafe { libc::fcntl(libc::STDOUT_FILENO, libc::F_GETFD) } == -1
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::EBADF);
+    STDOUT_CLOSED.store(closed, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static NOTE_CLOSED_STDOUT: extern "C" fn() = note_closed_stdout;
+
 /// Writes `text` to stdout and flushes it (never `println!`, which panics): a failed write is a
-/// one-line error, exit 1; a reader gone (`| head`) ends the command quietly.
+/// one-line error, exit 1 (stdout closed too); a reader gone (`| head`) ends the command quietly.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
+    if STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed) && !text.is_empty() {
+        let e = std::io::Error::from_raw_os_error(libc::EBADF);
+        anyhow::bail!("cannot write to standard output: {e}");
+    }
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())

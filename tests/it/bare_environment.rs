@@ -177,6 +177,41 @@ fn every_command_ends_with_one_line_when_its_output_cannot_be_written() {
     }
 }
 
+/// A report with standard output closed is lost, not written: each command
+/// that has one to give says so in one line and exits 1 (as on /dev/full),
+/// and `lock-status --watch` ends at once instead of drawing into nothing.
+/// `exec` has no report: its command gets /dev/null, as ever.
+#[test]
+fn a_report_with_its_standard_output_closed_is_an_error() {
+    let env = Env::new();
+    env.make_image("base");
+    for args in [
+        &["lock-status"][..],
+        &["lock-status", "--json"],
+        &["lock-status", "--watch", "0.1"],
+        &["lock-status", "--watch", "0.1", "--json"],
+        &["lock-status", "--why", "base"],
+        &["images"],
+        &["images", "--json"],
+        &["slots"],
+        &["gc", "--json"],
+        &["doctor"],
+        &["--version"],
+    ] {
+        let out = with_stdout(&env, args, Stdout::Closed);
+        let err = stderr(&out);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains("standard output"), "{args:?}: {err}");
+    }
+    let out = with_stdout(
+        &env,
+        &["exec", "--read", "base", "--", "true"],
+        Stdout::Closed,
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
 /// A uid the password file does not know, whose `USER` is a name the file
 /// gives another uid (root's): its holds are named by its number, never
 /// by that other user's name.

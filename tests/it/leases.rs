@@ -2499,3 +2499,35 @@ fn a_long_command_waiting_with_many_images_is_listed_and_its_images_kept() {
         assert_eq!(code(&out), Some(0), "{}", show(&out));
     }
 }
+
+/// A container's exec SIGKILLed: its command keeps the lock and the lease
+/// (it inherited both). Seen from another container, where neither the lock
+/// table nor /proc shows that exec's pid, the pid the lease gives may be
+/// gone: lock-status says the command it ran may hold it instead, never
+/// the dead exec's pid alone.
+#[test]
+fn a_lock_kept_in_a_container_after_its_exec_died_is_not_credited_to_that_pid_alone() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    let host = Host::hold(&env, None, &["--write", "u"], "inside");
+    let init = host.init();
+    let children = fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
+    let stowage: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    // SAFETY: the exec this test started, in its namespace.
+    unsafe { libc::kill(stowage as i32, libc::SIGKILL) };
+    wait_until("the exec in the container is gone", || {
+        !fs::read_to_string(format!("/proc/{init}/task/{init}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .any(|c| c == stowage.to_string())
+    });
+    let args = ["lock-status", "u"].map(String::from);
+    let out = output(in_namespace(None, &stowage_argv(&env, &args)));
+    host.crash();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let text = stdout(&out);
+    assert!(text.contains("(in another pid namespace)"), "{text}");
+    assert!(text.contains("if that exec has ended"), "{text}");
+}

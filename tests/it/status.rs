@@ -1570,3 +1570,58 @@ fn an_image_whose_record_is_damaged_is_shown_unknown() {
     fs::write(&lock, &bytes).unwrap();
     shown_unknown(|args| env.run(args), "damaged");
 }
+
+/// A nested `stowage exec` inherits its enclosing exec's lock (an image's,
+/// a slot's); the enclosing exec SIGKILLed, the nested one holds it on
+/// through that descriptor, which its own lease never lists. lock-status
+/// names it by its pid, as kept, with its own lease: never "unknown
+/// process … outside stowage, or on another host".
+#[test]
+fn a_nested_exec_that_kept_its_enclosing_execs_lock_is_named() {
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["slots", "set", "pull", "1"]);
+    for (outer, lock) in [(["--write", "x"], "x"), (["--slot", "pull"], "pull")] {
+        let pidfile = env.sentinel(&format!("nested-{lock}"));
+        let script = format!("echo $PPID > '{p}'; sleep 60", p = pidfile.display());
+        let mut args = vec!["exec", outer[0], outer[1], "--", bin(), "--root"];
+        let root = env.root.display().to_string();
+        args.extend([
+            root.as_str(),
+            "exec",
+            "--read",
+            "a",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ]);
+        let mut bg = env.spawn(args);
+        wait_until("the nested exec runs its command", || {
+            fs::read_to_string(&pidfile).is_ok_and(|s| s.ends_with('\n'))
+        });
+        let nested: u32 = fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        bg.signal(libc::SIGKILL);
+        let _ = bg.child.as_mut().unwrap().wait();
+        let entry = match lock {
+            "x" => env.lock_entry("x"),
+            _ => env.slot_entry("pull"),
+        };
+        let entry = entry.unwrap();
+        let text = stdout(&env.ok(["lock-status"]));
+        bg.kill_all();
+        if !table_names_holders(&env) {
+            eprintln!("skipping: this filesystem's lock table names no holder");
+            return;
+        }
+        let holder = &entry["holders"][0];
+        assert_eq!(holder["pid"], nested, "{lock}: {entry:#}");
+        assert_eq!(holder["kept"], true, "{lock}: {entry:#}");
+        assert_eq!(holder["stowage"], true, "{lock}: {entry:#}");
+        assert!(!text.contains("unknown process"), "{lock}: {text}");
+    }
+}

@@ -381,3 +381,122 @@ fn why_names_a_stopped_process_deeper_under_a_holder() {
     assert_eq!(code(&holder.finish()), Some(0));
     assert_eq!(code(&reader.finish()), Some(0));
 }
+
+/// `--why PID` of the command an exec runs (the build a user sees in
+/// ps), whose nested call waits: the chain starts at that nested call.
+#[test]
+fn why_of_an_execs_command_follows_the_nested_call_it_waits_for() {
+    let env = Env::new();
+    env.make_image("y");
+    let holder = env.hold(&["--write", "y"], "y-started");
+    let pidfile = env.sentinel("command-pid");
+    let outer = env.start_sh(&["--write", "x"], |started| {
+        format!(
+            "echo $$ > '{p}'; touch '{s}'; '{bin}' --root '{r}' exec --read y --wait 60 -- true",
+            p = pidfile.display(),
+            s = started.display(),
+            bin = bin(),
+            r = env.root.display(),
+        )
+    });
+    env.wait_for_waiter("y");
+    let command: u32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let doc = why(&env, &command.to_string());
+    let chain = &doc["chains"][0];
+    let steps = (chain["steps"].as_array()).unwrap_or_else(|| panic!("a chain: {doc:#}"));
+    assert_eq!(steps[0]["waits_for"]["name"], "y", "{doc:#}");
+    assert_eq!(chain["end_pid"], u64::from(holder.pid()), "{doc:#}");
+
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(outer.finish().status.code(), Some(0));
+}
+
+/// A waiter in a child pid namespace (a container) is listed by the pid
+/// the lock table shows us; `--why` with that pid follows its chain.
+#[test]
+fn why_of_a_waiter_in_a_child_pid_namespace_follows_its_chain() {
+    if !root_or_skip("a child pid namespace") || !tool_or_skip("unshare", "util-linux") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("y");
+    let holder = env.hold(&["--write", "y"], "y-started");
+    let mut c = std::process::Command::new("unshare");
+    c.args(["--pid", "--fork", "--mount-proc", bin(), "--root"])
+        .arg(&env.root)
+        .args(["exec", "--read", "y", "--wait", "60", "--", "true"]);
+    let contained = Bg::from_command(c);
+    env.wait_for_waiter("y");
+    let entry = env.lock_entry("y").unwrap();
+    let waiter = &entry["waiters"][0];
+    assert_eq!(waiter["pid_space"], "here", "{entry:#}");
+    let pid = waiter["pid"].as_u64().unwrap();
+    let doc = why(&env, &pid.to_string());
+    let chain = &doc["chains"][0];
+    assert_eq!(pids(chain).first(), Some(&pid), "{doc:#}");
+    assert_eq!(chain["end_pid"], u64::from(holder.pid()), "{doc:#}");
+
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(contained.finish().status.code(), Some(0));
+}
+
+/// The cycle through nested calls (the build's shell replaced by them),
+/// after one enclosing exec was SIGKILLed: its nested call holds that exec's image through the inherited
+/// descriptor and still waits, so the deadlock stays. `--why` names the
+/// cycle and that nested call by its pid, not a process "stowage cannot
+/// identify" on the hosts sharing the store.
+#[test]
+fn why_names_a_cycle_kept_by_a_nested_call_whose_exec_was_killed() {
+    let env = Env::new();
+    let script = |mine: &str, other: &str, theirs: &str| {
+        format!(
+            "touch '{m}'; while [ ! -e '{o}' ]; do sleep 0.01; done; exec '{bin}' exec --write {theirs} --wait 60 -- true",
+            m = env.sentinel(mine).display(),
+            o = env.sentinel(other).display(),
+            bin = bin(),
+        )
+    };
+    let mut one = env.spawn([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &script("one", "two", "b"),
+    ]);
+    let two = env.spawn([
+        "exec",
+        "--write",
+        "b",
+        "--",
+        "sh",
+        "-c",
+        &script("two", "one", "a"),
+    ]);
+    wait_for_file(&env.sentinel("one"));
+    wait_for_file(&env.sentinel("two"));
+    env.wait_for_waiter("a");
+    env.wait_for_waiter("b");
+    let nested = env.lock_entry("b").unwrap()["waiters"][0]["pid"].clone();
+    one.signal(libc::SIGKILL);
+    let _ = one.child.as_mut().unwrap().wait();
+
+    let doc = why(&env, "a");
+    let chain = &doc["chains"][0];
+    assert_eq!(chain["cycle"], true, "{doc:#}");
+    let steps = chain["steps"].as_array().unwrap();
+    assert_eq!(steps[1]["relation"], "holder", "{doc:#}");
+    assert_eq!(steps[1]["pid"], nested, "a's holder, kept: {doc:#}");
+    assert_eq!(steps[1]["kept"], true, "{doc:#}");
+    let text = stdout(&env.ok(["lock-status", "--why", "a"]));
+    assert!(text.contains("a cycle"), "{text}");
+    one.kill_all();
+    two.kill_all();
+}
