@@ -252,7 +252,7 @@ pub fn flock_unsupported(err: &io::Error) -> bool {
 fn lock_advice(err: &io::Error) -> &'static str {
     match err.raw_os_error() {
         Some(libc::EROFS) => {
-            " — the filesystem is read-only: stowage writes lock files in the root (use a --root on a writable one)"
+            " — it is on a read-only mount: stowage writes lock files in the root (remount it read-write, or use a --root on a writable filesystem)"
         }
         _ if flock_unsupported(err) => {
             " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor' (with the same --root)"

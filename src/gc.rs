@@ -488,7 +488,9 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
                         out.bytes += bytes;
                         out.finished.push(said);
                     }
-                    Err(e) => out.failed.push(format!("{e:#}")),
+                    Err(e) => out
+                        .failed
+                        .push(format!("cannot finish the removal of '{name}': {e:#}")),
                 }
             }
             // Busy: its remover may be at it, or it finished meanwhile.

@@ -248,6 +248,12 @@ pub fn denied(path: &Path) -> Option<String> {
                 "{dir} may not be written: it is immutable ('chattr -i' clears it), or a policy refuses it"
             ));
         }
+        Err(Errno::EROFS) => {
+            let dir = dir.display();
+            return Some(format!(
+                "{dir} is on a read-only mount: stowage writes in it (remount it read-write, or use a --root on a writable filesystem)"
+            ));
+        }
         Err(_) => return None,
     }
     let m = std::fs::symlink_metadata(path).ok()?;

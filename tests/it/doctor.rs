@@ -1615,6 +1615,21 @@ fn a_store_file_on_a_read_only_mount_is_said_so() {
         );
         assert!(!said.contains("back its mode"), "{said}");
     }
+    // A directory of the layout under a read-only mount (the root writable) is said so too.
+    let locks = env.root.join("locks/images");
+    let Some(_l) = Mount::at(&["--bind", locks.to_str().unwrap()], &locks) else {
+        return;
+    };
+    let ro = Command::new("mount")
+        .args(["-o", "remount,bind,ro"])
+        .arg(&locks)
+        .status();
+    assert!(ro.is_ok_and(|s| s.success()));
+    let said = stdout(&env.run(["doctor"]));
+    assert!(
+        said.contains("locks/images is on a read-only mount"),
+        "{said}"
+    );
 }
 
 /// A symlink, file or FIFO at an image's name in the images directory is no

@@ -1718,3 +1718,28 @@ fn gc_says_a_trash_it_may_not_use_once_naming_the_image_left() {
     assert!(said.contains("another filesystem mounted there"), "{said}");
     assert_eq!(env.state("inc").as_deref(), Some("incomplete"));
 }
+
+/// An interrupted removal gc cannot finish is said naming its image: the
+/// line named only the directory a move was refused for.
+#[test]
+fn gc_names_the_image_whose_interrupted_removal_it_cannot_finish() {
+    let env = Env::new();
+    env.make_image("app");
+    let (bg, _go) = env.paused(["rm", "app"], "rm-marked");
+    bg.kill_all();
+    let tree = env.root.join("img/app");
+    if !immutable(&tree, true) {
+        eprintln!("skipping: cannot make a file immutable here");
+        return;
+    }
+    let out = env.run(["gc"]);
+    immutable(&tree, false);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = stderr(&out);
+    assert!(
+        said.contains("cannot finish the removal of 'app'"),
+        "{said}"
+    );
+    env.ok(["gc"]);
+    assert!(env.image("app").is_none());
+}
