@@ -94,6 +94,14 @@ fn adopt_one(
         let _ = root.unlink_lock(guard);
         return Ok(false);
     }
+    // Mounted there since it was found: another filesystem's, never an image of ours.
+    if crate::dir::Dir::open_nofollow(tree)
+        .and_then(|d| d.is_mount_root())
+        .unwrap_or(true)
+    {
+        let _ = root.unlink_lock(guard);
+        anyhow::bail!("it is a mount point now (another filesystem's, no tree of the store's)");
+    }
     // No store-wide command may find a new image made beside it.
     if crate::store_wide::probe(root)? == crate::store_wide::Probe::Held {
         let what = format!("the adoption of image '{name}'");

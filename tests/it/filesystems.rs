@@ -468,6 +468,32 @@ fn a_mount_inside_an_image_stops_its_deletion() {
     assert_intact(&v);
 }
 
+/// A filesystem mounted on a tree without a record after a repair found
+/// it, before it adopts it, is not adopted: it was, as an image of unknown
+/// readiness (by `init`, as ready), though it is no tree of the store's.
+#[test]
+fn a_mount_made_on_a_tree_being_adopted_is_not_adopted() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    env.ok(["init"]);
+    let tree = env.images_dir().join("orphan");
+    fs::create_dir(&tree).unwrap();
+    fs::write(tree.join("f"), "x").unwrap();
+    let (bg, go) = env.paused(["doctor", "--repair"], "doctor-orphans-found");
+    let m = Mount::tmpfs_at(&tree, "1m");
+    fs::remove_file(&go).unwrap();
+    let out = bg.finish();
+    assert!(m.is_some(), "cannot mount a tmpfs here");
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("mount point"), "{}", show(&out));
+    assert!(env.image("orphan").is_none(), "a mount point was adopted");
+    drop(m);
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("orphan").as_deref(), Some("incomplete"));
+}
+
 #[test]
 fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
     let env = Env::new();
