@@ -1126,8 +1126,14 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
     report.naming("images", Repaired, &dropped, |names| {
         format!("dropped the records of {names}, whose trees are gone")
     });
-    report.naming("images", Problem, &busy, |names| {
-        format!("{names} have records but no tree, and their locks are held now: a later '{STOWAGE} doctor --repair' drops their records")
+    // In use: a removal (on another host, say) or a write may be changing it; no verdict yet.
+    let (had, are) = if busy.len() == 1 {
+        ("had", "is")
+    } else {
+        ("had", "are")
+    };
+    report.naming("images", Info, &busy, |names| {
+        format!("{names} {had} no tree when the records were read, and {are} in use now (a removal or a write under way?): judged again by the next '{STOWAGE} doctor'")
     });
 }
 

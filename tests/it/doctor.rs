@@ -980,7 +980,7 @@ fn a_repair_that_finds_a_lock_held_says_what_it_left() {
         &out,
         &[
             "removal of 'doomed' was interrupted, and its lock is held now",
-            "'vanished' have records but no tree, and their locks are held now",
+            "'vanished' had no tree when the records were read, and is in use now",
         ],
     );
     assert!(
@@ -1661,4 +1661,24 @@ fn doctor_names_what_in_the_images_directory_keeps_a_new_image_from_being_made()
         assert_eq!(code(&out), Some(1), "{}", show(&out));
     }
     assert!(img.join("ff").exists() && img.join("cl").exists());
+}
+
+/// A removal under way while `doctor --repair` reads the records (on
+/// another host, say: its tree moved to the trash, its lock held) is no
+/// problem of the store: the repair said "records but no tree" and exited 1.
+#[test]
+fn a_removal_under_way_during_a_repair_is_no_problem() {
+    let env = Env::new();
+    env.make_image("dr1");
+    env.make_image("kept");
+    let (doctor, read) = env.paused(["doctor", "--repair"], "doctor-records-read");
+    let (rm, moved) = env.paused(["rm", "dr1"], "rm-moved");
+    fs::remove_file(&read).unwrap();
+    let out = doctor.finish();
+    fs::remove_file(&moved).unwrap();
+    assert_eq!(code(&rm.finish()), Some(0));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("'dr1' had no tree"), "{}", show(&out));
+    assert!(env.image("dr1").is_none());
+    assert_eq!(env.state("kept").as_deref(), Some("ready"));
 }
