@@ -34,6 +34,7 @@ use crate::clock::{self, Millis};
 use crate::ctx::Ctx;
 use crate::disk_usage::{self, Shares};
 use crate::image_record::State;
+use crate::lease::{Holding, Named};
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::remove;
@@ -479,6 +480,7 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
         let taken = take.then(|| take_to_repair(ctx, &name));
         match taken.unwrap_or(Taken::Busy) {
             Taken::Held(h) if deleting(&h.seen) => {
+                let _named = named_hold(&ctx.root, &name, "stowage (finishing a removal)");
                 let done = match finish {
                     true => remove::finish_held(&ctx.root, *h),
                     false => Ok(would_free(&ctx.root, &h)),
@@ -558,6 +560,15 @@ pub(crate) enum Taken {
     Gone,
     /// Its lock file cannot be taken (permissions, a planted file): said, never taken for gone.
     Failed(std::io::Error),
+}
+
+/// Our lease naming our exclusive hold of `name`'s lock while a repair or gc judges it.
+pub(crate) fn named_hold(root: &crate::root::Root, name: &ImageName, what: &str) -> Named {
+    let rel = crate::root::Root::image_lock_rel(name);
+    Named::new(
+        &root.leases(),
+        Holding::now(Mode::Exclusive, rel, false, what),
+    )
 }
 
 /// [`take_exclusive`] of an existing lock file, for a repair.
@@ -642,6 +653,7 @@ fn collect(
     let Some((hold, now)) = take_for_collect(&root, &name, img, bytes, budget, report)? else {
         return Ok(false);
     };
+    let _named = matches!(hold, Hold::Taken(_)).then(|| named_hold(&root, &name, "stowage gc"));
     // A store-wide command holds the store: kept, as an image in use is.
     if crate::store_wide::blocks(&root, hold.seen()) {
         report.kept_busy(img.name());

@@ -319,6 +319,30 @@ pub fn forget(leases: &Path, lockfile: &str) {
     forget_all(leases, [lockfile]);
 }
 
+/// A hold our lease names while it lasts ([`note`], then [`forget`] when dropped): where no lock
+/// table shows holders (another host's look), a lease is all that names a lock's holder.
+pub struct Named {
+    leases: PathBuf,
+    lockfile: String,
+}
+
+impl Named {
+    pub fn new(leases: &Path, h: Holding) -> Named {
+        let lockfile = h.lockfile.clone();
+        note(leases, h);
+        Named {
+            leases: leases.to_owned(),
+            lockfile,
+        }
+    }
+}
+
+impl Drop for Named {
+    fn drop(&mut self) {
+        forget(&self.leases, &self.lockfile);
+    }
+}
+
 /// Set when the process is about to end and retire its leases: locks it drops stay listed (a
 /// reader judges each listed lock by the lock itself, so one listed too long never shows held).
 static ENDING: AtomicBool = AtomicBool::new(false);

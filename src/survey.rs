@@ -412,12 +412,12 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         // Named by our lease while it measures (nothing else does on another host); unnamed first.
         let rel = format!("images/{}", img.entry.file);
         let what = "stowage (measuring the image's size)";
-        let hold = crate::lease::Holding::now(shared, rel.clone(), false, what);
-        crate::lease::note(&root.leases(), hold);
+        let hold = crate::lease::Holding::now(shared, rel, false, what);
+        let named = crate::lease::Named::new(&root.leases(), hold);
         crate::debug::pause("size-measuring");
         let tree = crate::images_dir::tree_of(root, &img.record);
         let measured = crate::disk_usage::measure(&tree, false);
-        crate::lease::forget(&root.leases(), &rel);
+        drop(named);
         drop(reading);
         // A failed writer's image may have no tree: it takes nothing.
         let (size, whole) = match measured {

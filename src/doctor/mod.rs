@@ -1112,6 +1112,7 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
             }
             Taken::Gone => continue,
         };
+        let _named = crate::gc::named_hold(root, n, "stowage doctor --repair");
         // Gone by the filesystem's own word (not a lookup a client answers from its caches).
         let still = h.seen.record.as_ref().is_some_and(|r| {
             stands_for_its_tree(r, r.state)

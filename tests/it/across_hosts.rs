@@ -704,6 +704,27 @@ fn removals_are_named_on_other_hosts() {
         let out = removal.finish();
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
+    // While gc judges an image under its lock (before it removes it), too.
+    let out = c
+        .host(0)
+        .stowage_run(&root, ["exec", "--write", "c", "--", "false"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let pause = env.sentinel("paused-judged");
+    let mut cmd = c.host(0).stowage(&root, &["gc"]);
+    cmd.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("gc-judged:{}", pause.display()),
+    );
+    let gc = Bg::from_command(cmd);
+    wait_for_file(&pause);
+    let st = status(c.host(1), &root, &["--all"]);
+    let l = image_lock(&st, "c").expect("the judged image's lock is listed");
+    assert_eq!(
+        l["holders"][0]["stowage"], true,
+        "shown as an outsider: {l}"
+    );
+    std::fs::remove_file(&pause).unwrap();
+    assert_eq!(code(&gc.finish()), Some(0));
 }
 
 #[test]
