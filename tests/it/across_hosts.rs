@@ -710,7 +710,7 @@ fn removals_are_named_on_other_hosts() {
         .stowage_run(&root, ["exec", "--write", "c", "--", "false"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     let pause = env.sentinel("paused-judged");
-    let mut cmd = c.host(0).stowage(&root, &["gc"]);
+    let mut cmd = c.host(0).stowage(&root, ["gc"]);
     cmd.env(
         stowage::env::DEBUG_PAUSE,
         format!("gc-judged:{}", pause.display()),
