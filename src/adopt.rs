@@ -63,6 +63,18 @@ pub fn adopt(root: &Root, config: &Config, orphans: &Orphans, how: Adopt) -> Res
     Ok(out)
 }
 
+/// Whether the directory `tree` is a mount point, told by mount id as the survey tells it (a btrfs
+/// subvolume has a device of its own on its parent's mount, and is a tree); by device where the
+/// kernel gives no mount id. `None` if it cannot be asked.
+fn mounted(tree: &Path) -> Option<bool> {
+    let (parent, name) = (tree.parent()?, tree.file_name()?);
+    let parent = crate::dir::Dir::open_nofollow(parent).ok()?;
+    match (parent.mount_id().ok()?, parent.mount_id_at(name).ok()?) {
+        (Some(here), Some(there)) => Some(here != there),
+        _ => Some(parent.stat().ok()?.dev != parent.stat_at(name).ok()??.dev),
+    }
+}
+
 /// Adopts one tree; `Ok(false)` if it needs no record any more.
 fn adopt_one(
     root: &Root,
@@ -95,10 +107,7 @@ fn adopt_one(
         return Ok(false);
     }
     // Mounted there since it was found: another filesystem's, never an image of ours.
-    if crate::dir::Dir::open_nofollow(tree)
-        .and_then(|d| d.is_mount_root())
-        .unwrap_or(true)
-    {
+    if mounted(tree).unwrap_or(true) {
         let _ = root.unlink_lock(guard);
         anyhow::bail!("it is a mount point now (another filesystem's, no tree of the store's)");
     }
