@@ -178,8 +178,12 @@ pub fn walk_dir(top: Dir, dir: &Path, unseen: Unseen, visit: &mut Visit) -> io::
     let mut trail = Trail::default();
     let mut stack = vec![(Some(top), (st.st_dev, st.st_ino), names.into_iter(), None)];
     let walked = walk_levels(&mut stack, &mut trail, (dir, mount), unseen, visit);
-    // Left by an error: climbing out reopens the levels closed, and gives their loans back.
+    // Left by an error: climbing out reopens the levels closed, and gives their loans back; those
+    // above a level that cannot be reopened are given back through their own handles.
     while !stack.is_empty() && climb(&mut stack, &mut trail).is_ok() {}
+    for (.., lent) in stack.drain(..) {
+        let _ = lent.map(|l| l.give_back());
+    }
     walked
 }
 
@@ -264,8 +268,8 @@ enum Entered {
     Unread,
     /// Not a directory.
     Leaf,
-    /// Opened and listed, with the mode to give back if it was lent owner access.
-    Dir(Dir, Vec<CString>, Option<libc::mode_t>),
+    /// Opened and listed, with its loan of owner access to give back, if lent.
+    Dir(Dir, Vec<CString>, Option<LentMode>),
 }
 
 /// Opens the entry `name` of `d` (stat `st`), a directory or on another device than the tree's
@@ -302,18 +306,26 @@ fn enter(
             lent => Some(lent?),
         },
     };
+    if lent.is_some() {
+        crate::debug::pause("walk-lent");
+    }
+    let give_back = || {
+        if let Some(l) = &lent {
+            let _ = l.give_back();
+        }
+    };
     // A directory is opened before it is counted: a bind mount of this same filesystem has its
-    // device number, and only the mount id tells it is not the tree.
-    let sub = match d.sub(name) {
+    // device number, and only the mount id tells it is not the tree. One lent is opened through
+    // its loan's own handle: the name may lead elsewhere by now.
+    let opened = match &lent {
+        Some(l) => l.open(),
+        None => d.sub(name),
+    };
+    let sub = match opened.inspect_err(|_| give_back()) {
         Ok(sub) => sub,
         Err(e) if gone(&e) => return Ok(Entered::Gone),
         Err(e) if e.raw_os_error() == Some(libc::EACCES) => return Ok(Entered::Unread),
         Err(e) => return Err(e),
-    };
-    let give_back = || {
-        if let Some(mode) = lent {
-            let _ = nix::sys::stat::fchmod(&sub, nix::sys::stat::Mode::from_bits_retain(mode));
-        }
     };
     let here = sub.mount_id().inspect_err(|_| give_back())?;
     if mount.is_some() && here != mount {
@@ -346,26 +358,46 @@ fn lends(st: &libc::stat, unseen: Unseen) -> bool {
         && dir::chmod_keeps_setgid(st)
 }
 
-/// Lends owner read and search to the directory `name` of `d`, still the inode `st`: its mode
-/// before.
-fn lend(d: &Dir, name: &OsStr, st: &libc::stat) -> io::Result<libc::mode_t> {
-    let a = d.anchor_sub(name)?;
-    let now = a.stat()?;
+/// A directory lent owner read and search by a walk: its handle (`O_PATH`, the very inode, what
+/// its name leads to since notwithstanding) and its mode before.
+struct LentMode {
+    anchor: Dir,
+    mode: libc::mode_t,
+}
+
+impl LentMode {
+    /// The lent directory opened to be listed, through its handle.
+    fn open(&self) -> io::Result<Dir> {
+        Dir::open(Path::new(&format!(
+            "/proc/self/fd/{}",
+            self.anchor.as_raw_fd()
+        )))
+    }
+
+    fn give_back(&self) -> io::Result<()> {
+        dir::chmod_o_path(self.anchor.as_raw_fd(), self.mode)
+    }
+}
+
+/// Lends owner read and search to the directory `name` of `d`, still the inode `st`.
+fn lend(d: &Dir, name: &OsStr, st: &libc::stat) -> io::Result<LentMode> {
+    let anchor = d.anchor_sub(name)?;
+    let now = anchor.stat()?;
     if (now.dev, now.ino) != (st.st_dev, st.st_ino) {
         return Err(io::Error::other("changed while looked at"));
     }
     let mode = st.st_mode & 0o7777;
-    dir::chmod_o_path(a.as_raw_fd(), mode | 0o500)?;
-    Ok(mode)
+    dir::chmod_o_path(anchor.as_raw_fd(), mode | 0o500)?;
+    Ok(LentMode { anchor, mode })
 }
 
 /// A level of [`walk`]: its directory (closed far above the deepest), its identity, its names
-/// left, and its mode to give back if it was lent owner access.
+/// left, and its loan of owner access to give back, if lent.
 type Level = (
     Option<Dir>,
     (u64, u64),
     std::vec::IntoIter<CString>,
-    Option<libc::mode_t>,
+    Option<LentMode>,
 );
 
 /// Leaves the deepest level of a walk for the one above, reopened through `..` if it was closed,
@@ -373,16 +405,15 @@ type Level = (
 fn climb(stack: &mut Vec<Level>, trail: &mut Trail) -> io::Result<()> {
     let (done, _, _, lent) = stack.pop().expect("not empty");
     trail.0.pop();
+    // Given back through its own handle, whatever else fails.
+    let given = lent.map_or(Ok(()), |l| l.give_back());
     // Only after a climb failed (an error's way out) is the deepest closed.
     let done = done.ok_or_else(|| io::Error::other("a level above could not be reopened"))?;
     let reopened = match stack.last_mut() {
         Some((up @ None, id, ..)) => done.parent_checked(*id, "measured").map(|d| *up = Some(d)),
         _ => Ok(()),
     };
-    if let Some(mode) = lent {
-        nix::sys::stat::fchmod(&done, nix::sys::stat::Mode::from_bits_retain(mode))?;
-    }
-    reopened
+    given.and(reopened)
 }
 
 // The FIEMAP ioctl (linux/fiemap.h).

@@ -1846,6 +1846,47 @@ fn a_rebuild_looks_inside_its_owners_unsearchable_directories_before_deleting() 
     }
 }
 
+/// A directory of the owner's that the check before a rebuild lends owner
+/// access, renamed away while lent and another of the owner's put at its
+/// name, gets its mode back, and the other keeps its own: the mode was given
+/// back through the directory opened again by name, the one put there.
+#[test]
+fn a_directory_renamed_while_a_rebuild_lends_it_access_gets_its_own_mode_back() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    builds_as(&env, 1001, "app", "mkdir \"$STOWAGE_IMAGE_DIR/d\"");
+    let (d, outside) = (env.root.join("img/app/d"), env.tmp.path().join("outside"));
+    // Each holds another member's directory: the check refuses either, deleting nothing.
+    for dir in [&d, &outside] {
+        fs::create_dir_all(dir.join("q")).unwrap();
+        nix::unistd::chown(
+            &dir.join("q"),
+            Some(nix::unistd::Uid::from_raw(65534)),
+            None,
+        )
+        .unwrap();
+        nix::unistd::chown(dir, Some(nix::unistd::Uid::from_raw(1001)), None).unwrap();
+    }
+    fs::set_permissions(&d, fs::Permissions::from_mode(0o300)).unwrap();
+    fs::set_permissions(&outside, fs::Permissions::from_mode(0o755)).unwrap();
+    let rebuild = ["--write", "app", "--from", "base"];
+    let bg = paused_as(&env, 1001, &rebuild, "walk-lent");
+    let aside = env.root.join("img/app/d.old");
+    fs::rename(&d, &aside).unwrap();
+    fs::rename(&outside, &d).unwrap();
+    fs::remove_file(env.tmp.path().join("pauses-1001/paused")).unwrap();
+    let out = bg.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(
+        mode_of(&d),
+        0o755,
+        "the directory put at the name was chmodded"
+    );
+    assert_eq!(mode_of(&aside), 0o300, "the lent directory kept its loan");
+}
+
 /// The mode of `p`'s permission bits (a group store's directories are setgid besides).
 fn mode_of(p: &Path) -> u32 {
     fs::symlink_metadata(p).unwrap().mode() & 0o777
