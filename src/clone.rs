@@ -458,9 +458,12 @@ impl TreeCopy<'_> {
             let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
             made_here(&d, libc::S_IFDIR)?;
             // A filesystem mounted inside the base is not its tree: the mount point is copied,
-            // empty. A bind mount of the base's own filesystem shows only in its mount id.
-            let mount =
-                meta.st_dev != self.dev || (self.mount.is_some() && s.mount_id()? != self.mount);
+            // empty. A bind mount of the base's own filesystem shows only in its mount id, and a
+            // btrfs subvolume (a device of its own on the same mount) is part of the tree.
+            let mount = match self.mount {
+                Some(m) => s.mount_id()? != Some(m),
+                None => meta.st_dev != self.dev,
+            };
             let names = if mount { Vec::new() } else { s.entries()? };
             io::Result::Ok((s, d, names, lent, mount))
         })();

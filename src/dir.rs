@@ -570,7 +570,7 @@ impl Dir {
         };
         // The walk checks for mounts below the top; one at the top itself is caught here.
         let (here, there) = (self.stat()?, top.stat()?);
-        if here.dev != there.dev || self.mount_id()? != top.mount_id()? {
+        if another_mount((&here, self.mount_id()?), (&there, top.mount_id()?)) {
             return Err(mount_point(name));
         }
         empty_tree(top, removed, keep)?;
@@ -892,16 +892,29 @@ fn remove_or_open(
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
     let there = || shown(&trail(stack).join(&name));
     let in_dir = |e| refused_here(stack, e, DELETE_IN, Some(&name));
-    let Some(sub) = dir.open_to_empty(&name, Some(dev), removed, &in_dir, &there)? else {
+    // By device before it is opened only where no mount id tells a btrfs subvolume (a device of
+    // its own, on its parent's mount) from a mount.
+    let before = mount.is_none().then_some(dev);
+    let Some(sub) = dir.open_to_empty(&name, before, removed, &in_dir, &there)? else {
         return Ok(None);
     };
     let sst = sub.stat()?;
-    if sst.dev != dev || (mount.is_some() && sub.mount_id()? != mount) {
+    if mount.is_none() && sst.dev != dev || mount.is_some() && sub.mount_id()? != mount {
         return Err(mount_point(&name));
     }
     let mut level = Level::enter(sub, &sst, &there, keep, removed)?;
     level.name = name;
     Ok(Some(level))
+}
+
+/// Whether two directories (their stat and mount id) are on different mounts: by mount id where
+/// the kernel tells both (a btrfs subvolume has a device of its own on its parent's mount), else
+/// by device.
+fn another_mount((a, a_mount): (&Entry, Option<u64>), (b, b_mount): (&Entry, Option<u64>)) -> bool {
+    match (a_mount, b_mount) {
+        (Some(x), Some(y)) => x != y,
+        _ => a.dev != b.dev,
+    }
 }
 
 pub fn file_type(st: &libc::stat) -> libc::mode_t {

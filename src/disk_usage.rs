@@ -196,10 +196,12 @@ fn walk_levels(
     visit: &mut Visit,
 ) -> io::Result<bool> {
     let at_top = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
-    let dev = stack[0].1.0;
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
     let mut whole = true;
-    while let Some((d, _, names, _)) = stack.last_mut() {
+    // Each entry is compared with its own directory's device: a btrfs subvolume (a device of its
+    // own on its parent's mount) is entered as the tree it is, and what it holds shares its device.
+    while let Some((d, (dev, _), names, _)) = stack.last_mut() {
+        let dev = *dev;
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let d = d.as_ref().expect("the deepest levels are open");
         let Some(name) = names.next() else {
@@ -296,7 +298,8 @@ fn enter(
         };
         return Ok(if other { Entered::Mount } else { Entered::Leaf });
     }
-    if st.st_dev != dev {
+    // Another device on the same mount is a btrfs subvolume: part of the tree.
+    if st.st_dev != dev && !same_mount(d, name, mount)? {
         return Ok(Entered::Mount);
     }
     let lent = match lends(st, unseen) {
@@ -344,6 +347,15 @@ fn enter(
             give_back();
             Err(e)
         }
+    }
+}
+
+/// Whether the entry `name` of `d` is on the mount `mount` (by mount id; where the kernel tells
+/// none, it is taken for another).
+fn same_mount(d: &Dir, name: &OsStr, mount: Option<u64>) -> io::Result<bool> {
+    match d.mount_id_at(name) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        here => Ok(mount.is_some() && here? == mount),
     }
 }
 

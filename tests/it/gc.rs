@@ -1743,3 +1743,37 @@ fn gc_names_the_image_whose_interrupted_removal_it_cannot_finish() {
     env.ok(["gc"]);
     assert!(env.image("app").is_none());
 }
+
+/// A btrfs subvolume a build made inside its image (a device of its own on
+/// the same mount) is part of the tree: measured, copied, emptied by a
+/// rebuild and removed with the image. Told apart from a mount by device,
+/// it was a mount point to all of them: 0 B, left out of copies, a rebuild
+/// refused, a removal stuck in the trash.
+#[test]
+fn a_btrfs_subvolume_inside_an_image_is_part_of_its_tree() {
+    let Some(m) = Mount::btrfs_loop("300M") else {
+        return;
+    };
+    let env = m.env();
+    env.make_image("base");
+    let made = "btrfs -q subvolume create \"$STOWAGE_IMAGE_DIR/sub\" && head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/sub/data\"";
+    env.build("app", made);
+    let size = env.image("app").unwrap()["size_bytes"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(size >= 1 << 20, "measured {size} B");
+    env.ok(["exec", "--write", "copy", "--from", "app", "--", "true"]);
+    assert!(
+        env.root.join("img/copy/sub/data").is_file(),
+        "left out of the copy"
+    );
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert!(
+        !env.root.join("img/app/sub").exists(),
+        "the rebuild kept it"
+    );
+    env.build("app", made);
+    env.ok(["rm", "app"]);
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
