@@ -128,11 +128,14 @@ pub(super) fn class_records(root: &Root, report: &mut Report) {
 /// Whether `name` holds an image's record: only stowage writes one, so a second name for it is
 /// another store's lock file (`cp -al`), not an outside file a plant would have stowage write.
 fn holds_a_record(dir: &Dir, name: &str) -> bool {
-    name.ends_with(".lock")
-        && dir
-            .open_read_unchecked(name)
-            .and_then(|f| crate::image_record::read(&f))
-            .is_ok_and(|seen| seen.record.is_some())
+    // One we may not read (another member's, mode 600) may hold one: never set aside as junk.
+    let seen = match dir.open_read_unchecked(name) {
+        Err(e) => {
+            return name.ends_with(".lock") && e.kind() == std::io::ErrorKind::PermissionDenied;
+        }
+        Ok(f) => crate::image_record::read(&f),
+    };
+    name.ends_with(".lock") && seen.map_or(true, |s| s.record.is_some() || s.damaged)
 }
 
 /// A lock file whose record another name shares: left as it is even by `--repair` (set aside, its

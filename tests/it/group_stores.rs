@@ -2545,3 +2545,23 @@ fn a_file_planted_in_a_group_store_is_repaired_in_one_go() {
         assert_eq!(env.state("base").as_deref(), Some("ready"));
     }
 }
+
+/// A lock file with a second name that this member may not read (its owner
+/// made it 600) may hold a record: a member's repair reports it and sets
+/// nothing aside. It took it for a planted hard link, set the image's real
+/// lock file aside and adopted the ready image as incomplete.
+#[test]
+fn a_member_never_sets_aside_a_linked_lock_file_it_cannot_read() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    builds_as(&env, 1001, "base", "echo b > \"$STOWAGE_IMAGE_DIR/b\"");
+    let lock = env.lock_file("base");
+    fs::hard_link(&lock, env.root.join("locks/images/junk.lock")).unwrap();
+    fs::set_permissions(&lock, fs::Permissions::from_mode(0o600)).unwrap();
+    let out = as_uid(&env, 65534, &["doctor", "--repair"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(lock.exists(), "set aside: {}", show(&out));
+    fs::set_permissions(&lock, fs::Permissions::from_mode(0o660)).unwrap();
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
