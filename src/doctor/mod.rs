@@ -1097,10 +1097,15 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
         return;
     }
     let root = &ctx.root;
-    let (mut dropped, mut busy) = (Vec::new(), Vec::new());
+    let (mut dropped, mut busy, mut read) = (Vec::new(), Vec::new(), Vec::new());
     for n in gone {
         let h = match crate::gc::take_to_repair(ctx, n) {
             Taken::Held(h) => h,
+            // Held shared, it is read: no removal or write is changing it.
+            Taken::Busy if being_read(root, n) => {
+                read.push(n.as_str());
+                continue;
+            }
             Taken::Busy => {
                 busy.push(n.as_str());
                 continue;
@@ -1127,6 +1132,10 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
     report.naming("images", Repaired, &dropped, |names| {
         format!("dropped the records of {names}, whose trees are gone")
     });
+    let are = if read.len() == 1 { "is" } else { "are" };
+    report.naming("images", Problem, &read, |names| {
+        format!("{names} had no tree when the records were read, yet {are} read now: a later '{STOWAGE} doctor --repair' drops the records")
+    });
     // In use: a removal (on another host, say) or a write may be changing it; no verdict yet.
     let (had, are) = if busy.len() == 1 {
         ("had", "is")
@@ -1136,6 +1145,15 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
     report.naming("images", Info, &busy, |names| {
         format!("{names} {had} no tree when the records were read, and {are} in use now (a removal or a write under way?): judged again by the next '{STOWAGE} doctor'")
     });
+}
+
+/// Whether image `name`'s lock is held shared now (read, not written or removed).
+fn being_read(root: &Root, name: &ImageName) -> bool {
+    let path = root.image_lock(name);
+    matches!(
+        lock::look(&path, root.lock_queries()),
+        Ok(lock::Probe::Shared)
+    )
 }
 
 /// The trash, lock files that name no image, dead leases.

@@ -1682,3 +1682,27 @@ fn a_removal_under_way_during_a_repair_is_no_problem() {
     assert!(env.image("dr1").is_none());
     assert_eq!(env.state("kept").as_deref(), Some("ready"));
 }
+
+/// A record whose tree is gone while a reader holds the image is a problem
+/// still: a read changes nothing, so no removal or write under way explains
+/// it (a repair that only noted it kept a cron of repairs green).
+#[test]
+fn a_tree_gone_under_a_reader_is_a_problem_to_a_repair() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("other");
+    let started = env.sentinel("reading");
+    let script = format!("touch '{}'; sleep 30", started.display());
+    let reader = env.spawn(["exec", "--read", "keep", "--", "sh", "-c", &script]);
+    wait_for_file(&started);
+    fs::remove_dir_all(env.root.join("img/keep")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    reader.kill_all();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stdout(&out).contains("'keep' had no tree"),
+        "{}",
+        show(&out)
+    );
+    assert!(stdout(&out).contains("is read now"), "{}", show(&out));
+}
