@@ -587,7 +587,7 @@ impl Dir {
     fn open_to_empty(
         &self,
         name: &OsStr,
-        dev: Option<u64>,
+        dev: Option<(u64, Option<u64>)>,
         removed: &mut u64,
         in_dir: &dyn Fn(io::Error) -> io::Error,
         shown: &dyn Fn() -> String,
@@ -603,7 +603,12 @@ impl Dir {
         if !st.is_dir() {
             return unlink(removed);
         }
-        if dev.is_some_and(|dev| st.dev != dev) {
+        // Asked before it is opened (an automount point is not triggered): on another device, a
+        // mount, unless its mount id (asked without automounting) says it is a btrfs subvolume.
+        if let Some((dev, mount)) = dev
+            && st.dev != dev
+            && (mount.is_none() || self.mount_id_at(name).ok().flatten() != mount)
+        {
             return Err(mount_point(name));
         }
         let opened = match self.sub(name) {
@@ -892,10 +897,7 @@ fn remove_or_open(
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
     let there = || shown(&trail(stack).join(&name));
     let in_dir = |e| refused_here(stack, e, DELETE_IN, Some(&name));
-    // By device before it is opened only where no mount id tells a btrfs subvolume (a device of
-    // its own, on its parent's mount) from a mount.
-    let before = mount.is_none().then_some(dev);
-    let Some(sub) = dir.open_to_empty(&name, before, removed, &in_dir, &there)? else {
+    let Some(sub) = dir.open_to_empty(&name, Some((dev, mount)), removed, &in_dir, &there)? else {
         return Ok(None);
     };
     let sst = sub.stat()?;
