@@ -135,7 +135,7 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
         }
         Ok(f) => crate::image_record::read(&f),
     };
-    name.ends_with(".lock") && seen.map_or(true, |s| s.record.is_some() || s.damaged)
+    name.ends_with(".lock") && seen.is_ok_and(|s| s.record.is_some())
 }
 
 /// A lock file whose record another name shares: left as it is even by `--repair` (set aside, its
