@@ -1887,6 +1887,28 @@ fn a_directory_renamed_while_a_rebuild_lends_it_access_gets_its_own_mode_back() 
     assert_eq!(mode_of(&aside), 0o300, "the lent directory kept its loan");
 }
 
+/// Uid 1001's image `base` with a directory `a` whose mode (000) keeps its owner out: a copy of it
+/// by 1001 lends itself access to `a`. Where `a` is.
+fn base_with_a_withheld_dir(env: &Env) -> std::path::PathBuf {
+    let script = "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a";
+    builds_as(env, 1001, "base", script);
+    env.root.join("img/base/a")
+}
+
+/// A copy of `base` to `target` by uid 1001, killed while it has `a` lent (mode 500).
+fn kill_lending(env: &Env, target: &str, a: &Path) {
+    paused_as(
+        env,
+        1001,
+        &["--write", target, "--from", "base"],
+        "clone-copying",
+    )
+    .kill_all();
+    // Its pause's directory, made anew by the next.
+    fs::remove_dir_all(env.tmp.path().join("pauses-1001")).unwrap();
+    assert_eq!(mode_of(a), 0o500, "lent");
+}
+
 /// The mode of `p`'s permission bits (a group store's directories are setgid besides).
 fn mode_of(p: &Path) -> u32 {
     fs::symlink_metadata(p).unwrap().mode() & 0o777
@@ -2105,21 +2127,8 @@ fn a_lend_file_set_aside_for_a_second_name_keeps_its_lenders() {
     let Some(env) = group_store() else {
         return;
     };
-    builds_as(
-        &env,
-        1001,
-        "base",
-        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
-    );
-    let a = env.root.join("img/base/a");
-    let bg = paused_as(
-        &env,
-        1001,
-        &["--write", "k", "--from", "base"],
-        "clone-copying",
-    );
-    bg.kill_all();
-    assert_eq!(mode_of(&a), 0o500, "lent");
+    let a = base_with_a_withheld_dir(&env);
+    kill_lending(&env, "k", &a);
     let lend = env.root.join("locks/images/base.lend");
     // As a member may (group-writable), made here by root: the doctor sees a second name.
     fs::hard_link(&lend, env.tmp.path().join("other-name")).unwrap();
@@ -2140,25 +2149,10 @@ fn a_loan_whose_lender_the_lend_file_no_longer_names_is_still_restored() {
     let Some(env) = group_store() else {
         return;
     };
-    builds_as(
-        &env,
-        1001,
-        "base",
-        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
-    );
-    let a = env.root.join("img/base/a");
+    let a = base_with_a_withheld_dir(&env);
     let lend = env.root.join("locks/images/base.lend");
     let kill_lending = |t: &str| {
-        let bg = paused_as(
-            &env,
-            1001,
-            &["--write", t, "--from", "base"],
-            "clone-copying",
-        );
-        bg.kill_all();
-        // Its pause's directory, made anew by the next.
-        fs::remove_dir_all(env.tmp.path().join("pauses-1001")).unwrap();
-        assert_eq!(mode_of(&a), 0o500, "lent");
+        kill_lending(&env, t, &a);
         fs::write(&lend, "").unwrap();
     };
     kill_lending("k1");
@@ -2210,21 +2204,8 @@ fn doctor_repair_names_who_must_restore_another_members_loans() {
     let Some(env) = group_store() else {
         return;
     };
-    builds_as(
-        &env,
-        1001,
-        "base",
-        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
-    );
-    let a = env.root.join("img/base/a");
-    let bg = paused_as(
-        &env,
-        1001,
-        &["--write", "k", "--from", "base"],
-        "clone-copying",
-    );
-    bg.kill_all();
-    assert_eq!(mode_of(&a), 0o500, "lent");
+    let a = base_with_a_withheld_dir(&env);
+    kill_lending(&env, "k", &a);
     let (code, said) = said_by(&env, 65534, &["doctor", "--repair"]);
     assert_eq!(code, Some(1), "{said}");
     let line = said
@@ -2259,16 +2240,8 @@ fn a_member_killed_rewriting_the_lend_file_keeps_the_other_lenders() {
     let Some(env) = group_store() else {
         return;
     };
-    builds_as(
-        &env,
-        1001,
-        "base",
-        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir a && echo x > a/f && chmod 000 a",
-    );
-    let a = env.root.join("img/base/a");
-    let exec = ["--write", "k", "--from", "base"];
-    paused_as(&env, 1001, &exec, "clone-copying").kill_all();
-    assert_eq!(mode_of(&a), 0o500, "lent");
+    let a = base_with_a_withheld_dir(&env);
+    kill_lending(&env, "k", &a);
     stowage_paused_as(&env, 65534, &["gc"], "lenders-written").kill_all();
     let lend = env.root.join("locks/images/base.lend");
     let named = fs::read_to_string(&lend).unwrap();
