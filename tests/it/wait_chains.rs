@@ -73,36 +73,7 @@ fn why_follows_a_chain_of_three_to_the_process_at_its_end() {
 #[test]
 fn why_names_a_cycle_through_nested_calls_and_ending_the_named_process_breaks_it() {
     let env = Env::new();
-    let script = |mine: &str, other: &str, theirs: &str| {
-        format!(
-            "touch '{m}'; while [ ! -e '{o}' ]; do sleep 0.01; done; exec '{bin}' exec --write {theirs} --wait 60 -- true",
-            m = env.sentinel(mine).display(),
-            o = env.sentinel(other).display(),
-            bin = bin(),
-        )
-    };
-    let one = env.spawn([
-        "exec",
-        "--write",
-        "a",
-        "--",
-        "sh",
-        "-c",
-        &script("one", "two", "b"),
-    ]);
-    let two = env.spawn([
-        "exec",
-        "--write",
-        "b",
-        "--",
-        "sh",
-        "-c",
-        &script("two", "one", "a"),
-    ]);
-    wait_for_file(&env.sentinel("one"));
-    wait_for_file(&env.sentinel("two"));
-    env.wait_for_waiter("a");
-    env.wait_for_waiter("b");
+    let (one, two) = nested_deadlock(&env);
 
     let doc = why(&env, "a");
     let chain = &doc["chains"][0];
@@ -454,36 +425,7 @@ fn why_of_a_waiter_in_a_child_pid_namespace_follows_its_chain() {
 #[test]
 fn why_names_a_cycle_kept_by_a_nested_call_whose_exec_was_killed() {
     let env = Env::new();
-    let script = |mine: &str, other: &str, theirs: &str| {
-        format!(
-            "touch '{m}'; while [ ! -e '{o}' ]; do sleep 0.01; done; exec '{bin}' exec --write {theirs} --wait 60 -- true",
-            m = env.sentinel(mine).display(),
-            o = env.sentinel(other).display(),
-            bin = bin(),
-        )
-    };
-    let mut one = env.spawn([
-        "exec",
-        "--write",
-        "a",
-        "--",
-        "sh",
-        "-c",
-        &script("one", "two", "b"),
-    ]);
-    let two = env.spawn([
-        "exec",
-        "--write",
-        "b",
-        "--",
-        "sh",
-        "-c",
-        &script("two", "one", "a"),
-    ]);
-    wait_for_file(&env.sentinel("one"));
-    wait_for_file(&env.sentinel("two"));
-    env.wait_for_waiter("a");
-    env.wait_for_waiter("b");
+    let (mut one, two) = nested_deadlock(&env);
     let nested = env.lock_entry("b").unwrap()["waiters"][0]["pid"].clone();
     one.signal(libc::SIGKILL);
     let _ = one.child.as_mut().unwrap().wait();
@@ -499,4 +441,26 @@ fn why_names_a_cycle_kept_by_a_nested_call_whose_exec_was_killed() {
     assert!(text.contains("a cycle"), "{text}");
     one.kill_all();
     two.kill_all();
+}
+
+/// Two builds, of `a` and of `b`, each holding its image and calling stowage again for the
+/// other's, both waiting by the time this returns: a deadlock through nested calls.
+fn nested_deadlock(env: &Env) -> (Bg, Bg) {
+    let script = |mine: &str, other: &str, theirs: &str| {
+        format!(
+            "touch '{m}'; while [ ! -e '{o}' ]; do sleep 0.01; done; exec '{bin}' exec --write {theirs} --wait 60 -- true",
+            m = env.sentinel(mine).display(),
+            o = env.sentinel(other).display(),
+            bin = bin(),
+        )
+    };
+    let build =
+        |image: &str, s: String| env.spawn(["exec", "--write", image, "--", "sh", "-c", &s]);
+    let one = build("a", script("one", "two", "b"));
+    let two = build("b", script("two", "one", "a"));
+    wait_for_file(&env.sentinel("one"));
+    wait_for_file(&env.sentinel("two"));
+    env.wait_for_waiter("a");
+    env.wait_for_waiter("b");
+    (one, two)
 }
