@@ -806,6 +806,9 @@ pub fn explain_refusal(
                     let owner = st.uid;
                     format!("{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it")
                 }),
+            // Read-only for everyone, root too: a read-only btrfs subvolume (a snapshot `-r`), or a
+            // read-only mount.
+            Some(libc::EROFS) => Some(format!("{shown} is read-only: a read-only btrfs subvolume ('btrfs property set -ts DIR ro false' makes it writable) or a read-only mount")),
             _ => None,
         };
         if let Some(why) = why {
@@ -902,7 +905,7 @@ fn remove_or_open(
     };
     let sst = sub.stat()?;
     if mount.is_none() && sst.dev != dev || mount.is_some() && sub.mount_id()? != mount {
-        return Err(mount_point(&name));
+        return Err(mount_point(trail(stack).join(&name).as_os_str()));
     }
     let mut level = Level::enter(sub, &sst, &there, keep, removed)?;
     level.name = name;

@@ -289,12 +289,9 @@ fn enter(
     let name = OsStr::from_bytes(name.to_bytes());
     // Only on another device is a file entered here.
     if dir::file_type(st) != libc::S_IFDIR {
-        let other = match unseen {
-            Unseen::Skip => true,
-            Unseen::Refuse => match d.mount_id_at(name) {
-                Err(e) if gone(&e) => return Ok(Entered::Gone),
-                here => here? != mount,
-            },
+        let other = match d.mount_id_at(name) {
+            Err(e) if gone(&e) => return Ok(Entered::Gone),
+            here => mount.is_none() || here? != mount,
         };
         return Ok(if other { Entered::Mount } else { Entered::Leaf });
     }

@@ -437,6 +437,20 @@ fn deletable(top: &Dir, at: &Path, verb: &str) -> Result<()> {
 /// access by the emptying, so it is no refusal.
 fn refuses_deletion(parent: &Dir, name: &std::ffi::CStr, st: &libc::stat) -> std::io::Result<()> {
     use nix::unistd::{AccessFlags, faccessat};
+    let flags = nix::fcntl::AtFlags::AT_EACCESS | nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW;
+    // A directory nobody may change, root neither: a read-only btrfs subvolume (a snapshot `-r`
+    // a build made), or a read-only mount.
+    if crate::dir::file_type(st) == libc::S_IFDIR
+        && faccessat(parent, name, AccessFlags::W_OK, flags) == Err(nix::errno::Errno::EROFS)
+    {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ReadOnlyFilesystem,
+            format!(
+                "{} is read-only: a read-only btrfs subvolume ('btrfs property set -ts DIR ro false' makes it writable) or a read-only mount",
+                name.to_string_lossy()
+            ),
+        ));
+    }
     let me = nix::unistd::geteuid().as_raw();
     // Root is refused by no mode.
     if st.st_uid == me || me == 0 {
@@ -459,7 +473,6 @@ fn refuses_deletion(parent: &Dir, name: &std::ffi::CStr, st: &libc::stat) -> std
         return Ok(());
     }
     let need = AccessFlags::R_OK | AccessFlags::W_OK | AccessFlags::X_OK;
-    let flags = nix::fcntl::AtFlags::AT_EACCESS | nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW;
     match faccessat(parent, name, need, flags) {
         Err(nix::errno::Errno::EACCES) => Err(std::io::Error::new(
             std::io::ErrorKind::PermissionDenied,

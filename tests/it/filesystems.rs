@@ -1376,3 +1376,53 @@ fn an_images_directory_without_extended_attributes_is_judged_by_its_path_only() 
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(stdout(&out).contains("'app'"), "{}", show(&out));
 }
+
+/// On an overlay filesystem a file reports the device of the layer that
+/// holds it, not the directory's: an image there is measured by what its
+/// files hold. Every file was taken for another mount and left out, so
+/// images measured 0 B and `gc --max-size` never freed anything.
+#[test]
+fn an_image_on_an_overlay_filesystem_is_measured_with_its_files() {
+    if !root_or_skip("mounting an overlay") {
+        return;
+    }
+    let env = Env::new();
+    let t = env.tmp.path();
+    for d in ["lower", "upper-fs", "merged"] {
+        fs::create_dir(t.join(d)).unwrap();
+    }
+    let Some(_up) = Mount::tmpfs_at(&t.join("upper-fs"), "16m") else {
+        return;
+    };
+    for d in ["upper-fs/u", "upper-fs/w"] {
+        fs::create_dir(t.join(d)).unwrap();
+    }
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        t.join("lower").display(),
+        t.join("upper-fs/u").display(),
+        t.join("upper-fs/w").display()
+    );
+    let merged = t.join("merged");
+    let Some(_m) = Mount::at(&["-t", "overlay", "overlay", "-o", &opts], &merged) else {
+        eprintln!("skipping: cannot mount an overlay here");
+        return;
+    };
+    let root = merged.join("root");
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&root).args([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "head -c 1048576 /dev/zero > \"$STOWAGE_IMAGE_DIR/big\"",
+    ]);
+    assert_eq!(code(&output(c)), Some(0));
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&root).args(["images", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&output(c).stdout).unwrap();
+    let size = listed[0]["size_bytes"].as_u64().unwrap_or(0);
+    assert!(size >= 1 << 20, "measured {size} B: {listed}");
+}

@@ -1777,3 +1777,36 @@ fn a_btrfs_subvolume_inside_an_image_is_part_of_its_tree() {
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
+
+/// A read-only btrfs subvolume in an image (a build's `snapshot -r`, which
+/// needs no root) is found by the check before a rebuild deletes anything:
+/// the rebuild refuses, naming it and the cure, and the image keeps all it
+/// held. It was let through as part of the tree, and the emptying failed on
+/// it half-way, leaving the image incomplete.
+#[test]
+fn a_read_only_subvolume_stops_a_rebuild_before_anything_is_deleted() {
+    let Some(m) = Mount::btrfs_loop("300M") else {
+        return;
+    };
+    let env = m.env();
+    env.make_image("base");
+    env.build(
+        "ro",
+        "cd \"$STOWAGE_IMAGE_DIR\" && echo a > a_first && btrfs -q subvolume create sub && echo x > sub/data && btrfs -q subvolume snapshot -r sub snap && echo z > zlast",
+    );
+    let out = env.run(["exec", "--write", "ro", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("is read-only"), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("nothing was deleted"),
+        "{}",
+        show(&out)
+    );
+    for kept in ["a_first", "sub/data", "snap/data", "zlast"] {
+        assert!(
+            env.root.join("img/ro").join(kept).exists(),
+            "{kept} deleted"
+        );
+    }
+    assert_eq!(env.state("ro").as_deref(), Some("ready"));
+}
