@@ -1005,6 +1005,16 @@ pub fn victim(env: &Env) -> PathBuf {
     v
 }
 
+/// The names in the directory `dir`, sorted (one level).
+pub fn names_at(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Fails unless both files [`victim`] planted are there, unchanged.
 pub fn assert_intact(v: &Path) {
     assert_eq!(fs::read_to_string(v.join("keep")).unwrap(), "precious");
@@ -1050,6 +1060,16 @@ impl Mount {
         );
         if m.is_none() {
             eprintln!("skipping: cannot mount a tmpfs here");
+        }
+        m
+    }
+
+    /// A ramfs (no extended attributes, no size limit) mounted on the existing directory `target`;
+    /// `None`, with the reason printed, where this machine cannot mount it.
+    pub fn ramfs_at(target: &Path) -> Option<Mount> {
+        let m = Mount::at(&["-t", "ramfs", "ramfs"], target);
+        if m.is_none() {
+            eprintln!("skipping: cannot mount a ramfs here");
         }
         m
     }

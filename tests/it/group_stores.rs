@@ -1744,12 +1744,7 @@ fn doctor_leaves_the_private_top_of_a_copy_under_way_alone() {
 
 /// The names in image `name`'s tree, sorted.
 fn names_in(env: &Env, name: &str) -> Vec<String> {
-    let mut names: Vec<String> = fs::read_dir(env.root.join("img").join(name))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
+    names_at(&env.root.join("img").join(name))
 }
 
 /// Rebuilding an image from a base, by its owner, when a directory in it
