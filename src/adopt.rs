@@ -68,11 +68,7 @@ pub fn adopt(root: &Root, config: &Config, orphans: &Orphans, how: Adopt) -> Res
 /// kernel gives no mount id. `None` if it cannot be asked.
 fn mounted(tree: &Path) -> Option<bool> {
     let (parent, name) = (tree.parent()?, tree.file_name()?);
-    let parent = crate::dir::Dir::open_nofollow(parent).ok()?;
-    match (parent.mount_id().ok()?, parent.mount_id_at(name).ok()?) {
-        (Some(here), Some(there)) => Some(here != there),
-        _ => Some(parent.stat().ok()?.dev != parent.stat_at(name).ok()??.dev),
-    }
+    crate::dir::Dir::open_nofollow(parent).ok()?.is_mount_at(name).ok()?
 }
 
 /// Adopts one tree; `Ok(false)` if it needs no record any more.

@@ -212,6 +212,17 @@ impl Dir {
             .map(|s| s.stx_mnt_id))
     }
 
+    /// Whether the entry `name` is on another mount than this directory ([`another_mount`]);
+    /// `None` if it is not there.
+    pub fn is_mount_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<bool>> {
+        let name = name.as_ref();
+        let Some(there) = self.stat_at(name)? else {
+            return Ok(None);
+        };
+        let here = (&self.stat()?, self.mount_id()?);
+        Ok(Some(another_mount(here, (&there, self.mount_id_at(name)?))))
+    }
+
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
     pub fn is_mount_root(&self) -> io::Result<bool> {
         let up = self.sub("..")?;
